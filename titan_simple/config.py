@@ -1,0 +1,414 @@
+"""Job configuration: typed sections, loaded from TOML, overridden from the command line, validated.
+
+Precedence is command line > TOML file > the defaults declared here. Every field carries its own help
+text; ``python train.py --help`` prints them all, so this file is the reference manual.
+
+    python train.py --config llama3_8b.toml --training.steps 100 --compile.enable
+
+Anything the user can get wrong (an unknown section or key, a wrong type, an impossible value, a missing
+file) raises :class:`ConfigError` with one line naming the key, where it came from and what was expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli
+
+from titan_simple.errors import ConfigError
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
+
+
+def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
+    """A config field with its documentation (and, for strings, the allowed values)."""
+    metadata = {"help": help, "choices": choices}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class Job:
+    dump_folder: str = option("./outputs", "Folder for everything a run writes: metrics, TensorBoard, checkpoints.")
+    description: str = option("", "Free text describing the run, printed at start-up.")
+
+
+@dataclass
+class Model:
+    name: str = option("llama3", "Model family.", choices=("llama3",))
+    flavor: str = option("debugmodel", "Model size: debugmodel, debugmodel_large, 8B, 70B or 405B.")
+    tokenizer_path: str = option(
+        "assets/tokenizer/shakespeare_bpe_2k.json",
+        "A Hugging Face tokenizer.json, or a tiktoken-format tokenizer.model such as Llama 3's "
+        "(relative paths: the working directory first, then the project folder).",
+    )
+
+
+@dataclass
+class Optimizer:
+    name: str = option("AdamW", "Optimizer class.", choices=("AdamW", "Adam"))
+    lr: float = option(8e-4, "Peak learning rate.")
+    eps: float = option(1e-8, "Adam epsilon.")
+    weight_decay: float = option(0.1, "Decoupled weight decay, applied to every parameter.")
+    implementation: str = option("foreach", "Kernel style of the optimizer step.", choices=("foreach", "for-loop"))
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = option(200, "Steps of linear warmup from ~0 to the peak learning rate.")
+    decay_ratio: float | None = option(
+        None, "Fraction of all steps spent decaying (WSD when < 1 - warmup share); none = decay after warmup."
+    )
+    decay_type: str = option(
+        "linear", "Shape of the decay.", choices=("linear", "sqrt", "cosine", "constant")
+    )
+    min_lr_factor: float = option(0.0, "Learning rate at the end of decay, as a fraction of the peak.")
+
+
+@dataclass
+class Training:
+    local_batch_size: int = option(8, "Sequences per data-parallel rank per micro-step.")
+    global_batch_size: int = option(
+        -1, "Sequences per optimizer step over all ranks; -1 = local_batch_size x data-parallel degree. "
+        "A larger value accumulates gradients over several micro-steps."
+    )
+    seq_len: int = option(2048, "Tokens per sequence.")
+    max_norm: float = option(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
+    steps: int = option(10000, "Optimizer steps to train.")
+    dataset: str = option(
+        "shakespeare", "Built-in 'shakespeare', or local files read as 'text', 'json', 'parquet' or 'auto'."
+    )
+    dataset_path: str | None = option(
+        None, "Local file, folder or glob for the dataset (needed unless the dataset is built in)."
+    )
+    seed: int = option(0, "Seed for model init and everything random; same config + seed = same losses on CPU.")
+    deterministic: bool = option(False, "Use deterministic algorithms (slower on GPU).")
+    mixed_precision_param: str = option(
+        "auto", "dtype the weights are gathered and computed in; auto = bfloat16 on GPU, float32 on CPU "
+        "(bf16 matmuls are slower than fp32 on CPUs).", choices=("auto", "bfloat16", "float32"),
+    )
+    mixed_precision_reduce: str = option(
+        "float32", "dtype gradients are reduced in across ranks.", choices=("float32", "bfloat16")
+    )
+
+
+@dataclass
+class Parallelism:
+    data_parallel_replicate_degree: int = option(1, "Replicas (DDP dimension; HSDP when combined with sharding).")
+    data_parallel_shard_degree: int = option(-1, "Shards (FSDP dimension); -1 = the rest of the world size.")
+    tensor_parallel_degree: int = option(1, "Tensor-parallel degree.")
+    pipeline_parallel_degree: int = option(1, "Pipeline-parallel degree.")
+    fsdp_implementation: str = option(
+        "fsdp2", "Data-parallel wrapper: PyTorch's FSDP2 (fully_shard).", choices=("fsdp2",)
+    )
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: str = option(
+        "none", "Recompute activations in backward to save memory: none, full (whole blocks) or selective.",
+        choices=("none", "full", "selective"),
+    )
+    selective_ac_option: str = option(
+        "op", "For selective: 'op' saves matmul and attention outputs and recomputes the cheap ops; an "
+        "integer N checkpoints every N-th block fully."
+    )
+
+
+@dataclass
+class Compile:
+    enable: bool = option(False, "torch.compile the model (whole model, fullgraph, with SimpleFSDP).")
+    backend: str = option("inductor", "Compiler backend; aot_eager helps debugging.", choices=("inductor", "aot_eager"))
+
+
+@dataclass
+class Metrics:
+    log_freq: int = option(10, "Log metrics every this many steps (and at the first and last step).")
+    enable_tensorboard: bool = option(True, "Write TensorBoard event files.")
+    save_tb_folder: str = option("tb", "TensorBoard folder under dump_folder.")
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    training: Training = field(default_factory=Training)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    compile: Compile = field(default_factory=Compile)
+    metrics: Metrics = field(default_factory=Metrics)
+    config_file: str | None = None  # where the TOML came from, for messages
+    sources: dict[str, str] = field(default_factory=dict)  # "section.key" -> file or "command line"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: dataclasses.asdict(getattr(self, f.name)) for f in sections()}
+
+
+def sections() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(JobConfig) if f.name not in ("config_file", "sources")]
+
+
+def resolve_project_path(path: str) -> str:
+    """Relative paths are tried in the working directory, then in the project folder (so the shipped
+    configs work from anywhere)."""
+    candidate = Path(path)
+    if candidate.is_absolute() or candidate.exists():
+        return str(candidate)
+    in_project = CONFIG_DIR.parent / candidate
+    return str(in_project) if in_project.exists() else str(candidate)
+
+
+def _section_type(name: str) -> type:
+    return typing.get_type_hints(JobConfig)[name]
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+# ---------------------------------------------------------------------------------------------- types
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) in (types.UnionType, typing.Union):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp)).replace("NoneType", "none")
+    if typing.get_origin(tp) is list:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp)).replace("NoneType", "none")
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    """Check ``value`` against the annotation ``tp``; return it (ints widen to float). Raise TypeError."""
+    origin = typing.get_origin(tp)
+    if origin in (types.UnionType, typing.Union):
+        for option_type in typing.get_args(tp):
+            try:
+                return _coerce(value, option_type)
+            except TypeError:
+                pass
+        raise TypeError
+    if tp is type(None):
+        if value is None:
+            return None
+        raise TypeError
+    if origin is list:
+        if not isinstance(value, list):
+            raise TypeError
+        return [_coerce(v, typing.get_args(tp)[0]) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise TypeError
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise TypeError
+    if tp is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        raise TypeError
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise TypeError
+    raise TypeError
+
+
+def _parse_cli_value(text: str, tp: Any) -> Any:
+    """Turn a command-line string into a value of type ``tp`` (TOML syntax for lists, bare words for str)."""
+    allowed = {tp} if typing.get_origin(tp) not in (types.UnionType, typing.Union) else set(typing.get_args(tp))
+    if type(None) in allowed and text.lower() in ("none", "null"):
+        return None
+    if bool in allowed:
+        if text.lower() in ("true", "1", "yes"):
+            return True
+        if text.lower() in ("false", "0", "no"):
+            return False
+    if str in allowed:
+        return text
+    try:
+        return tomli.loads(f"v = {text}")["v"]
+    except tomli.TOMLDecodeError:
+        return text  # reported as a type error by _coerce
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def _suggest(name: str, candidates: list[str]) -> str:
+    close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.6)
+    return f" Did you mean '{close[0]}'?" if close else f" Known: {', '.join(candidates)}."
+
+
+def _set(config: JobConfig, section: str, key: str, value: Any, source: str, from_cli: bool) -> None:
+    section_names = [f.name for f in sections()]
+    if section not in section_names:
+        raise ConfigError(f"{source}: unknown section [{section}].{_suggest(section, section_names)}")
+    section_obj = getattr(config, section)
+    types_by_key = _field_types(type(section_obj))
+    if key not in types_by_key:
+        raise ConfigError(
+            f"{source}: unknown key '{key}' in [{section}].{_suggest(key, list(types_by_key))}"
+        )
+    tp = types_by_key[key]
+    if from_cli and isinstance(value, str):
+        value = _parse_cli_value(value, tp)
+    try:
+        value = _coerce(value, tp)
+    except TypeError:
+        raise ConfigError(
+            f"{source}: [{section}] {key} = {value!r} has the wrong type; expected {_type_name(tp)}."
+        ) from None
+    choices = next(f for f in dataclasses.fields(section_obj) if f.name == key).metadata.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(
+            f"{source}: [{section}] {key} = {value!r} is not allowed; choose one of {', '.join(choices)}."
+        )
+    setattr(section_obj, key, value)
+    config.sources[f"{section}.{key}"] = source
+
+
+def resolve_config_path(name: str) -> Path:
+    """A path as given, or else a bare file name looked up in the project's configs/ folder."""
+    path = Path(name)
+    if path.is_file():
+        return path
+    if not path.is_absolute() and (CONFIG_DIR / path.name).is_file() and len(path.parts) == 1:
+        return CONFIG_DIR / path.name
+    available = ", ".join(sorted(p.name for p in CONFIG_DIR.glob("*.toml")))
+    raise ConfigError(f"config file '{name}' not found; give a path or one of configs/: {available}.")
+
+
+def load_toml(config: JobConfig, path: Path) -> None:
+    try:
+        data = tomli.loads(path.read_text())
+    except tomli.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e}).") from None
+    for section, table in data.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: '{section}' must be a [section] table, not a bare key.")
+        for key, value in table.items():
+            _set(config, section, key, value, str(path), from_cli=False)
+    config.config_file = str(path)
+
+
+def parse_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str, str | None]], dict[str, Any]]:
+    """Split argv into (config file, [(section, key, raw value)], extra flags such as help)."""
+    config_file, overrides, flags = None, [], {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-h", "--help"):
+            flags["help"] = True
+            i += 1
+            continue
+        if not arg.startswith("--"):
+            raise ConfigError(f"command line: unexpected argument '{arg}'; options look like --section.key value.")
+        name, has_eq, value = arg[2:].partition("=")
+        if not has_eq:
+            value = None
+            if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                value = argv[i + 1]
+                i += 1
+        i += 1
+        if name in ("config", "job.config_file"):
+            if value is None:
+                raise ConfigError("command line: --config needs a file, e.g. --config configs/llama3_debug.toml.")
+            config_file = value
+            continue
+        section, dot, key = name.partition(".")
+        if not dot:
+            raise ConfigError(f"command line: '--{name}' is not a config key; keys look like --section.key.")
+        overrides.append((section, key, value))
+    return config_file, overrides, flags
+
+
+def load_job_config(argv: list[str] | None = None) -> JobConfig:
+    """Build the JobConfig from ``--config FILE`` and ``--section.key value`` overrides, then validate it."""
+    argv = sys.argv[1:] if argv is None else argv
+    config_file, overrides, flags = parse_overrides(argv)
+    if flags.get("help"):
+        print(help_text())
+        raise SystemExit(0)
+    config = JobConfig()
+    if config_file is not None:
+        load_toml(config, resolve_config_path(config_file))
+    for section, key, value in overrides:
+        if value is None:  # a bare flag: only booleans may omit the value
+            tp = _field_types(_section_type(section)).get(key) if section in [f.name for f in sections()] else None
+            value = "true" if tp is bool else None
+            if value is None and tp is not None:
+                raise ConfigError(f"command line: --{section}.{key} needs a value ({_type_name(tp)}).")
+        _set(config, section, key, value, "command line", from_cli=True)
+    validate(config)
+    return config
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def _require(ok: bool, config: JobConfig, section: str, key: str, expected: str) -> None:
+    if not ok:
+        value = getattr(getattr(config, section), key)
+        source = config.sources.get(f"{section}.{key}", "default value")
+        raise ConfigError(f"{source}: [{section}] {key} = {value!r} is impossible; expected {expected}.")
+
+
+def validate(config: JobConfig) -> None:
+    """Value checks that need no hardware (world-size checks live in ParallelDims)."""
+    t, p, o, s = config.training, config.parallelism, config.optimizer, config.lr_scheduler
+    _require(t.steps > 0, config, "training", "steps", "a positive number of steps")
+    _require(t.local_batch_size > 0, config, "training", "local_batch_size", "a positive integer")
+    _require(t.global_batch_size == -1 or t.global_batch_size > 0, config, "training", "global_batch_size",
+             "-1 or a positive integer")
+    _require(t.seq_len > 0, config, "training", "seq_len", "a positive integer")
+    _require(t.max_norm >= 0, config, "training", "max_norm", ">= 0 (0 disables clipping)")
+    _require(o.lr > 0, config, "optimizer", "lr", "a positive learning rate")
+    _require(o.eps > 0, config, "optimizer", "eps", "a positive epsilon")
+    _require(o.weight_decay >= 0, config, "optimizer", "weight_decay", ">= 0")
+    _require(s.warmup_steps >= 0, config, "lr_scheduler", "warmup_steps", ">= 0")
+    _require(s.decay_ratio is None or 0 <= s.decay_ratio <= 1, config, "lr_scheduler", "decay_ratio",
+             "none or a fraction in [0, 1]")
+    _require(0 <= s.min_lr_factor <= 1, config, "lr_scheduler", "min_lr_factor", "a fraction in [0, 1]")
+    ac = config.activation_checkpoint
+    _require(ac.selective_ac_option == "op" or (ac.selective_ac_option.isdigit() and int(ac.selective_ac_option) > 0),
+             config, "activation_checkpoint", "selective_ac_option", "'op' or a positive integer N (every N-th block)")
+    _require(config.metrics.log_freq > 0, config, "metrics", "log_freq", "a positive integer")
+    for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree"):
+        _require(getattr(p, key) >= 1, config, "parallelism", key, "an integer >= 1")
+    _require(p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1, config, "parallelism",
+             "data_parallel_shard_degree", "-1 (the rest of the world) or an integer >= 1")
+
+
+# ---------------------------------------------------------------------------------------------- help
+
+
+def help_text() -> str:
+    lines = [
+        "usage: train.py [--config FILE] [--section.key VALUE | --section.key=VALUE ...]",
+        "",
+        "--config FILE  a TOML file, or a bare name from configs/ (e.g. llama3_8b.toml).",
+        "Precedence: command line > TOML > defaults. Booleans may be given bare (--compile.enable).",
+    ]
+    defaults = JobConfig()
+    for section_field in sections():
+        section = getattr(defaults, section_field.name)
+        lines += ["", f"[{section_field.name}]"]
+        hints = _field_types(type(section))
+        for f in dataclasses.fields(section):
+            choices = f.metadata.get("choices")
+            kind = " | ".join(choices) if choices else _type_name(hints[f.name])
+            lines.append(f"  --{section_field.name}.{f.name} ({kind}, default {getattr(section, f.name)!r})")
+            lines.append(f"      {f.metadata.get('help', '')}")
+    return "\n".join(lines)

@@ -1,0 +1,103 @@
+"""Parallel degrees -> one DeviceMesh with named dimensions, checked before any process group exists."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from titan_simple.errors import ConfigError
+
+# Outermost to innermost: pipeline stages talk least, tensor-parallel ranks most (keep them on one node).
+MESH_DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int  # -1 = whatever is left of the world size
+    tp: int
+    pp: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "tp", "pp"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"[parallelism] {name} degree must be >= 1, got {getattr(self, name)}.")
+        others = self.dp_replicate * self.tp * self.pp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise ConfigError(
+                    f"[parallelism] data_parallel_replicate_degree x tensor_parallel_degree x "
+                    f"pipeline_parallel_degree = {others} does not divide the world size {self.world_size}; "
+                    f"launch a multiple of {others} processes or lower the degrees."
+                )
+            object.__setattr__(self, "dp_shard", self.world_size // others)
+        if self.dp_shard < 1 or self.dp_replicate * self.dp_shard * self.tp * self.pp != self.world_size:
+            raise ConfigError(
+                f"[parallelism] degrees dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x "
+                f"tp={self.tp} x pp={self.pp} = {self.dp_replicate * self.dp_shard * self.tp * self.pp} "
+                f"but the world size is {self.world_size}; make the product equal the number of processes "
+                f"(data_parallel_shard_degree = -1 fills in the rest)."
+            )
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.dp > 1
+
+    @property
+    def enabled_dims(self) -> dict[str, int]:
+        """Mesh dimensions with degree > 1, in mesh order."""
+        sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+        return {name: sizes[name] for name in MESH_DIM_ORDER if sizes[name] > 1}
+
+    @property
+    def data_parallel_mode(self) -> str:
+        """SimpleFSDP mode implied by the degrees."""
+        if self.dp_replicate > 1 and self.dp_shard > 1:
+            return "hybrid_shard"
+        if self.dp_replicate > 1:
+            return "replicate"
+        return "fully_shard"
+
+    def build_mesh(self, device_type: str) -> DeviceMesh | None:
+        """The world mesh over the enabled dimensions (None on a single process), with a flattened
+        ``dp`` dimension (replicate x shard) for data loading and loss reduction."""
+        dims = self.enabled_dims
+        if not dims:
+            return None
+        mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
+        dp_names = tuple(name for name in ("dp_replicate", "dp_shard") if name in dims)
+        if len(dp_names) == 2:
+            mesh[dp_names]._flatten("dp")
+        return mesh
+
+    @cached_property
+    def describe(self) -> str:
+        dims = self.enabled_dims
+        return " x ".join(f"{name}{size}" for name, size in dims.items()) or "single process"
+
+
+def dp_mesh(mesh: DeviceMesh | None, dims: ParallelDims) -> DeviceMesh | None:
+    """The data-parallel sub-mesh SimpleFSDP shards over: (dp_replicate, dp_shard), one of them, or None."""
+    if mesh is None:
+        return None
+    names = tuple(name for name in ("dp_replicate", "dp_shard") if name in dims.enabled_dims)
+    if not names:
+        return None
+    return mesh[names]
+
+
+def dp_rank_and_size(mesh: DeviceMesh | None, dims: ParallelDims) -> tuple[int, int]:
+    """This rank's index among the data-parallel ranks (which slice of data it reads), and their count."""
+    if mesh is None or not dims.dp_enabled:
+        return 0, 1
+    names = [n for n in ("dp_replicate", "dp_shard") if n in dims.enabled_dims]
+    if len(names) == 2:
+        return mesh["dp"].get_local_rank(), dims.dp
+    return mesh[names[0]].get_local_rank(), dims.dp

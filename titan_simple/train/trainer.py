@@ -1,0 +1,246 @@
+"""The training loop: build everything once, then ``for step: batch -> forward/backward -> clip -> step -> log``."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from titan_simple.config import JobConfig, resolve_project_path
+from titan_simple.data import Tokenizer, build_dataloader
+from titan_simple.errors import ConfigError
+from titan_simple.models.llama3 import build_model, count_parameters, flops_per_token
+from titan_simple.parallel.dims import ParallelDims, dp_rank_and_size
+from titan_simple.parallel.parallelize import param_dtype_for, parallelize_llama
+from titan_simple.parallel.sharded_init import layout_invariant_init
+from titan_simple.train.distributed import DistInfo, init_process_group, read_launch_environment
+from titan_simple.train.metrics import MemoryMonitor, MetricsLogger, peak_flops_per_second
+from titan_simple.train.optim import build_lr_scheduler, build_optimizer
+
+logger = logging.getLogger("titan_simple")
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy in fp32; the caller divides by the global number of target tokens."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+
+
+class Trainer:
+    def __init__(self, config: JobConfig, dist_info: DistInfo | None = None) -> None:
+        self.config = config
+        t = config.training
+        self.dist = dist_info or read_launch_environment()
+        self.device = self.dist.device
+        p = config.parallelism
+        self.dims = ParallelDims(
+            dp_replicate=p.data_parallel_replicate_degree,
+            dp_shard=p.data_parallel_shard_degree,
+            tp=p.tensor_parallel_degree,
+            pp=p.pipeline_parallel_degree,
+            world_size=self.dist.world_size,
+        )
+        self.gradient_accumulation_steps = self._accumulation_steps()
+        self.tokenizer = Tokenizer(resolve_project_path(config.model.tokenizer_path))  # fails fast on a bad path
+        init_process_group(self.dist)  # only now: every check above needs no communication
+        torch.manual_seed(t.seed)
+        if t.deterministic:
+            torch.use_deterministic_algorithms(True)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh, self.dims)
+
+        self.dataloader = build_dataloader(
+            dataset=t.dataset,
+            dataset_path=t.dataset_path,
+            tokenizer=self.tokenizer,
+            seq_len=t.seq_len,
+            local_batch_size=t.local_batch_size,
+            dp_rank=self.dp_rank,
+            dp_world_size=self.dp_size,
+        )
+
+        self.model_args, model = self._build_model()
+        self.num_params = count_parameters(model)
+        self.flops_per_token = flops_per_token(
+            self.model_args, count_parameters(model, exclude_embedding=True), t.seq_len
+        )
+        self.param_dtype = param_dtype_for(config, self.device)
+        self.model = parallelize_llama(model, self.dims, self.mesh, config, self.device)
+        self.model.to_empty(device=self.device)
+        torch.manual_seed(t.seed)
+        with torch.no_grad(), layout_invariant_init():
+            self.model.init_weights(buffer_device=self.device)
+        self.model.train()
+
+        o, s = config.optimizer, config.lr_scheduler
+        self.optimizer = build_optimizer(
+            self.model, name=o.name, lr=o.lr, eps=o.eps, weight_decay=o.weight_decay,
+            implementation=o.implementation,
+        )
+        self.lr_scheduler = build_lr_scheduler(
+            self.optimizer, steps=t.steps, warmup_steps=s.warmup_steps, decay_ratio=s.decay_ratio,
+            decay_type=s.decay_type, min_lr_factor=s.min_lr_factor,
+        )
+        self.metrics = MetricsLogger(
+            config.job.dump_folder, rank=self.dist.rank, enable_tensorboard=config.metrics.enable_tensorboard,
+            save_tb_folder=config.metrics.save_tb_folder,
+        )
+        self.memory = MemoryMonitor(self.device)
+        self.peak_flops = peak_flops_per_second(self.device)
+        self.step = 0
+        self.losses: list[float] = []  # global average loss of every step, for tests and summaries
+        self._stop_requested = False
+        self._log_summary()
+
+    # ------------------------------------------------------------------------------------------ build
+
+    def _accumulation_steps(self) -> int:
+        t = self.config.training
+        per_step = t.local_batch_size * self.dims.dp
+        if t.global_batch_size == -1:
+            return 1
+        if t.global_batch_size % per_step:
+            raise ConfigError(
+                f"[training] global_batch_size = {t.global_batch_size} is not a multiple of local_batch_size "
+                f"x data-parallel degree = {t.local_batch_size} x {self.dims.dp} = {per_step}; "
+                f"choose a multiple of {per_step} or -1."
+            )
+        return t.global_batch_size // per_step
+
+    def _build_model(self):
+        t, m = self.config.training, self.config.model
+        model = build_model(m.flavor, max_seq_len=t.seq_len, device="meta")
+        if self.tokenizer.vocab_size > model.args.vocab_size:
+            raise ConfigError(
+                f"[model] tokenizer_path {m.tokenizer_path} has {self.tokenizer.vocab_size} tokens but flavor "
+                f"'{m.flavor}' has a vocabulary of {model.args.vocab_size}; use a matching tokenizer or flavor."
+            )
+        return model.args, model
+
+    def _log_summary(self) -> None:
+        t, p = self.config.training, self.config.parallelism
+        tokens = t.local_batch_size * self.dims.dp * self.gradient_accumulation_steps * t.seq_len
+        logger.info(
+            "model llama3 %s: %s parameters | mesh %s (world %d, %s %s) | %s on %s | "
+            "global batch %d tokens (%d accumulation steps) | dataset %s | dump %s",
+            self.config.model.flavor, f"{self.num_params:,}", self.dims.describe, self.dist.world_size,
+            p.fsdp_implementation, self.dims.data_parallel_mode if self.dims.dp_enabled else "no data parallel",
+            str(self.param_dtype).removeprefix("torch."), self.device, tokens, self.gradient_accumulation_steps,
+            t.dataset, self.config.job.dump_folder,
+        )
+
+    # ------------------------------------------------------------------------------------------ step
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """Without data parallel nobody casts the weights for us: autocast does it (GPU bf16 only)."""
+        if self.dims.dp_enabled or self.param_dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.param_dtype)
+
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
+        t = self.config.training
+        global_tokens = t.local_batch_size * t.seq_len * self.dims.dp * len(batches)
+        self.optimizer.zero_grad()
+        local_loss_sum = torch.zeros((), device=self.device)
+        for inputs, labels in batches:
+            inputs, labels = inputs.to(self.device), labels.to(self.device)
+            with self._autocast():
+                logits = self.model(inputs)
+            loss_sum = cross_entropy_sum(logits, labels)
+            (loss_sum / global_tokens).backward()
+            local_loss_sum += loss_sum.detach()
+        grad_norm = self._clip_gradients()
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        local_tokens = global_tokens // self.dims.dp
+        return {"local_mean": local_loss_sum / local_tokens, "global_tokens": global_tokens,
+                "grad_norm": grad_norm}
+
+    def _clip_gradients(self) -> torch.Tensor:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.config.training.max_norm
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def _reduce_losses(self, local_mean: torch.Tensor) -> tuple[float, float]:
+        """(global mean over every token of the step, max over data-parallel ranks of their mean)."""
+        if not self.dist.is_distributed:
+            value = local_mean.item()
+            return value, value
+        both = torch.stack([local_mean, local_mean]).to(self.device)
+        mean = both[:1].clone()
+        dist.all_reduce(mean, op=dist.ReduceOp.SUM)
+        maximum = both[1:].clone()
+        dist.all_reduce(maximum, op=dist.ReduceOp.MAX)
+        # every data-parallel rank saw the same number of tokens, so the mean of means is the token mean
+        return mean.item() / self.dist.world_size, maximum.item()
+
+    # ------------------------------------------------------------------------------------------ loop
+
+    def _request_stop(self, signum: int, _frame: Any) -> None:
+        logger.warning("received %s: stopping after this step", signal.Signals(signum).name)
+        self._stop_requested = True
+
+    def _everyone_agrees_to_stop(self) -> bool:
+        flag = torch.tensor([1.0 if self._stop_requested else 0.0], device=self.device)
+        if self.dist.is_distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def train(self) -> list[float]:
+        t, log_freq = self.config.training, self.config.metrics.log_freq
+        previous_handlers = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        data_iter = iter(self.dataloader)
+        window_start, window_data_time, window_tokens, window_steps = time.perf_counter(), 0.0, 0, 0
+        train_start = time.perf_counter()
+        self.memory.reset_peak()
+        try:
+            while self.step < t.steps:
+                self.step += 1
+                data_start = time.perf_counter()
+                batches = [next(data_iter) for _ in range(self.gradient_accumulation_steps)]
+                window_data_time += time.perf_counter() - data_start
+                result = self.train_step(batches)
+                window_tokens += result["global_tokens"] // self.dims.dp
+                window_steps += 1
+                avg_loss, max_loss = self._reduce_losses(result["local_mean"])
+                self.losses.append(avg_loss)
+                if self.step == 1 or self.step % log_freq == 0 or self.step == t.steps:
+                    elapsed = time.perf_counter() - window_start
+                    self._log(avg_loss, max_loss, result["grad_norm"].item(), elapsed, window_data_time,
+                              window_tokens, window_steps, time.perf_counter() - train_start)
+                    window_start, window_data_time, window_tokens, window_steps = time.perf_counter(), 0.0, 0, 0
+                    self.memory.reset_peak()
+                if self._everyone_agrees_to_stop():
+                    logger.warning("stopped at step %d of %d on request", self.step, t.steps)
+                    break
+        finally:
+            for s, handler in previous_handlers.items():
+                signal.signal(s, handler)
+            self.metrics.close()
+        return self.losses
+
+    def _log(self, avg_loss: float, max_loss: float, grad_norm: float, elapsed: float, data_time: float,
+             tokens: int, steps: int, total_elapsed: float) -> None:
+        tokens_per_second = tokens / elapsed
+        metrics = {
+            "loss_metrics/global_avg_loss": avg_loss,
+            "loss_metrics/global_max_loss": max_loss,
+            "grad_norm": grad_norm,
+            "lr": self.lr_scheduler.get_last_lr()[0],
+            "throughput(tps)": tokens_per_second,
+            "tflops": tokens_per_second * self.flops_per_token / 1e12,
+            "time_metrics/end_to_end(s)": elapsed / steps,
+            "time_metrics/data_loading(s)": data_time / steps,
+            "time_metrics/data_loading(%)": 100 * data_time / elapsed,
+        }
+        if self.peak_flops:
+            metrics["mfu(%)"] = 100 * tokens_per_second * self.flops_per_token / self.peak_flops
+        metrics.update(self.memory.read())
+        remaining = (self.config.training.steps - self.step) * total_elapsed / self.step
+        self.metrics.log(self.step, metrics, total_steps=self.config.training.steps, eta_seconds=remaining)
