@@ -1,0 +1,131 @@
+"""Config loading: TOML + CLI precedence, typed errors, shipped configs, help text."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_simple.config import help_text, load_job_config
+from titan_simple.errors import ConfigError
+from titan_simple.parallel.dims import ParallelDims
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_then_toml_then_cli(tmp_path):
+    path = write(tmp_path, "[training]\nsteps = 7\nseq_len = 64\n[optimizer]\nlr = 0.5\n")
+    config = load_job_config(["--config", path, "--training.steps", "9", "--optimizer.lr=2e-3"])
+    assert config.training.steps == 9  # CLI beats TOML
+    assert config.training.seq_len == 64  # TOML beats default
+    assert config.optimizer.lr == 2e-3
+    assert config.training.local_batch_size == 8  # default
+    assert config.sources["training.steps"] == "command line"
+    assert config.sources["training.seq_len"] == path
+
+
+def test_cli_value_kinds():
+    config = load_job_config([
+        "--compile.enable", "--training.dataset_path", "none", "--lr_scheduler.decay_ratio", "0.5",
+        "--training.deterministic=false", "--optimizer.lr", "1",
+    ])
+    assert config.compile.enable is True
+    assert config.training.dataset_path is None
+    assert config.lr_scheduler.decay_ratio == 0.5
+    assert config.training.deterministic is False
+    assert config.optimizer.lr == 1.0 and isinstance(config.optimizer.lr, float)
+
+
+def test_bare_config_name_resolves_in_configs_folder():
+    config = load_job_config(["--config", "llama3_8b.toml"])
+    assert config.model.flavor == "8B"
+    assert config.config_file == str(REPO / "configs" / "llama3_8b.toml")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--training.stepz", "3"], "unknown key 'stepz' in [training]. Did you mean 'steps'?"),
+        (["--traning.steps", "3"], "unknown section [traning]. Did you mean 'training'?"),
+        (["--training.steps", "abc"], "[training] steps = 'abc' has the wrong type; expected int."),
+        (["--training.steps", "-3"], "[training] steps = -3 is impossible; expected a positive number"),
+        (["--training.seq_len", "1.5"], "[training] seq_len = 1.5 has the wrong type; expected int."),
+        (["--compile.backend", "tvm"], "[compile] backend = 'tvm' is not allowed; choose one of inductor, aot_eager"),
+        (["--config", "missing.toml"], "config file 'missing.toml' not found"),
+        (["--training.steps"], "--training.steps needs a value (int)"),
+        (["positional"], "unexpected argument 'positional'"),
+        (["--parallelism.tensor_parallel_degree", "0"], "tensor_parallel_degree = 0 is impossible"),
+        (["--activation_checkpoint.selective_ac_option", "sometimes"], "selective_ac_option = 'sometimes'"),
+    ],
+)
+def test_bad_input_names_the_key(argv, message):
+    with pytest.raises(ConfigError) as error:
+        load_job_config(argv)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_toml_errors_name_the_file(tmp_path):
+    path = write(tmp_path, "[training]\nsteps = \"ten\"\n")
+    with pytest.raises(ConfigError, match=r"job.toml: \[training\] steps = 'ten' has the wrong type"):
+        load_job_config(["--config", path])
+    path = write(tmp_path, "[training\nsteps = 1\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_job_config(["--config", path])
+    path = write(tmp_path, "steps = 1\n")
+    with pytest.raises(ConfigError, match="must be a \\[section\\] table"):
+        load_job_config(["--config", path])
+
+
+@pytest.mark.parametrize("name", ["llama3_debug.toml", "llama3_8b.toml", "llama3_70b.toml", "llama3_405b.toml"])
+def test_shipped_configs_load(name):
+    config = load_job_config(["--config", name])
+    assert config.training.steps > 0
+
+
+@pytest.mark.parametrize(
+    "name, world_size, expected",
+    [("llama3_8b.toml", 8, (1, 8, 1, 1)), ("llama3_70b.toml", 256, (1, 32, 8, 1)),
+     ("llama3_405b.toml", 512, (1, 8, 8, 8))],
+)
+def test_shipped_layouts_fit_their_world_size(name, world_size, expected):
+    p = load_job_config(["--config", name]).parallelism
+    dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
+                        p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp) == expected
+
+
+def test_degrees_that_do_not_multiply_to_world_size():
+    with pytest.raises(ConfigError, match="= 6 but the world size is 4"):
+        ParallelDims(dp_replicate=1, dp_shard=3, tp=2, pp=1, world_size=4)
+    with pytest.raises(ConfigError, match="= 3 does not divide the world size 4"):
+        ParallelDims(dp_replicate=3, dp_shard=-1, tp=1, pp=1, world_size=4)
+    dims = ParallelDims(dp_replicate=2, dp_shard=-1, tp=1, pp=1, world_size=4)
+    assert dims.dp_shard == 2 and dims.data_parallel_mode == "hybrid_shard"
+
+
+def test_help_lists_every_key_with_default():
+    text = help_text()
+    for key in ("--training.local_batch_size", "--parallelism.data_parallel_shard_degree", "--metrics.log_freq",
+                "--compile.enable", "--lr_scheduler.min_lr_factor"):
+        assert key in text
+    assert "default 8" in text
+
+
+def test_train_py_reports_one_line_and_exit_code_2():
+    result = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "--config", "llama3_debug.toml", "--training.stepz", "1"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "error: command line: unknown key 'stepz' in [training]. Did you mean 'steps'?"
+    ]
