@@ -1,0 +1,369 @@
+"""The Llama 3 decoder-only transformer, its size presets, initialization and FLOP accounting.
+
+Written so the parallelisms can be applied from outside without touching this file:
+
+* ``layers`` is an ``nn.ModuleDict`` keyed ``"0".."n-1"``: pipeline parallel deletes the layers a stage does
+  not own and sets ``tok_embeddings`` / ``norm`` / ``output`` to ``None``, and the surviving parameters keep
+  their full-model names (``layers.3.attention.wq.weight``), so checkpoints line up across layouts.
+* ``Attention`` reads the number of heads from the projected tensor, not from ``ModelArgs``, so it runs
+  unchanged when tensor parallel gives ``wq`` / ``wk`` / ``wv`` only a slice of the heads.
+* The model can be built on the meta device and initialized after sharding: ``init_weights`` uses only the
+  in-place ``torch.nn.init`` functions, which also work on DTensor parameters.
+
+Usage::
+
+    with torch.device("meta"):
+        model = Transformer(LLAMA3_FLAVORS["8B"])
+    # ... shard / parallelize ...
+    model.to_empty(device="cuda")
+    with torch.no_grad():
+        model.init_weights(buffer_device=torch.device("cuda"))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titan_simple.errors import ConfigError
+
+# Standard deviation of the input projections (and the base of the depth-scaled output projections).
+INIT_STD = 0.02
+
+# Llama 3.1 RoPE frequency scaling ("rope_scaling"), the values Meta published for every Llama 3.1 model.
+ROPE_SCALING_FACTOR = 8.0
+ROPE_LOW_FREQ_FACTOR = 1.0
+ROPE_HIGH_FREQ_FACTOR = 4.0
+ROPE_ORIGINAL_CONTEXT = 8192
+
+
+@dataclass
+class ModelArgs:
+    """Shape and hyper-parameters of a Llama 3 model."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    vocab_size: int
+    multiple_of: int = 256  # the SwiGLU hidden size is rounded up to a multiple of this
+    ffn_dim_multiplier: float | None = None  # scales the SwiGLU hidden size before rounding
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: bool = False  # Llama 3.1 long-context frequency scaling (see scale_rope_frequencies)
+    max_seq_len: int = 8192  # length of the precomputed RoPE table, i.e. the longest sequence the model takes
+    depth_init: bool = True  # output projections of deeper layers start smaller (see TransformerBlock)
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads {self.n_heads} is not a multiple of n_kv_heads {self.n_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim {self.head_dim} must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+LLAMA3_FLAVORS: dict[str, ModelArgs] = {
+    # Small enough to train on CPUs in seconds. Heads (16 query, 8 KV), the SwiGLU width (768) and the
+    # vocabulary (2000) all divide by 2, 4 and 8, so every tensor-parallel degree up to 8 shards evenly.
+    # vocab_size matches the 2k-token Shakespeare BPE (special tokens included); any tokenizer with at
+    # most 2000 ids fits, the unused rows are simply never looked up.
+    "debugmodel": ModelArgs(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2000, multiple_of=256, rope_theta=500000.0
+    ),
+    # A little heavier, for benchmarks where the debug model is dominated by overheads.
+    "debugmodel_large": ModelArgs(
+        dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=2000, multiple_of=256, rope_theta=500000.0
+    ),
+    "8B": ModelArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
+        multiple_of=1024, ffn_dim_multiplier=1.3,
+    ),
+    "70B": ModelArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
+        multiple_of=4096, ffn_dim_multiplier=1.3,
+    ),
+    "405B": ModelArgs(
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
+        multiple_of=4096, ffn_dim_multiplier=1.2,
+    ),
+}
+
+
+# ---------------------------------------------------------------------------------------------- RoPE
+
+
+def scale_rope_frequencies(freqs: torch.Tensor) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: slow rotations are interpolated 8x, fast ones are left alone.
+
+    A frequency whose wavelength fits more than ``high_freq_factor`` times into the original context is
+    kept; one whose wavelength is longer than ``original_context / low_freq_factor`` is divided by
+    ``factor``; in between the two are blended linearly in ``original_context / wavelength``. The clamp
+    expresses all three regions at once (blend weight 1 = keep, 0 = divide).
+    """
+    wavelength = 2 * math.pi / freqs
+    keep_weight = (ROPE_ORIGINAL_CONTEXT / wavelength - ROPE_LOW_FREQ_FACTOR) / (
+        ROPE_HIGH_FREQ_FACTOR - ROPE_LOW_FREQ_FACTOR
+    )
+    keep_weight = keep_weight.clamp(0.0, 1.0)
+    return (1 - keep_weight) * freqs / ROPE_SCALING_FACTOR + keep_weight * freqs
+
+
+def precompute_freqs_cis(
+    head_dim: int, max_seq_len: int, theta: float = 500000.0, scaling: bool = False
+) -> torch.Tensor:
+    """Unit complex numbers ``exp(i * position * freq)``, shape ``[max_seq_len, head_dim // 2]``, complex64.
+
+    Computed in fp32 on the current default device (wrap in ``with torch.device(...)`` to choose).
+    """
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    if scaling:
+        freqs = scale_rope_frequencies(freqs)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[batch, seq, heads, head_dim]`` by position; ``freqs_cis`` is ``[seq, head_dim // 2]``.
+
+    Adjacent channels ``(2j, 2j+1)`` form one complex number that is rotated by ``freqs_cis[t, j]``, the
+    pairing of Meta's Llama checkpoints. The complex product is written out in real arithmetic because
+    Inductor generates no code for complex operators; it runs in fp32 and the result is cast back.
+    """
+    cos_sin = torch.view_as_real(freqs_cis).view(1, x.shape[1], 1, -1, 2)
+    cos, sin = cos_sin[..., 0], cos_sin[..., 1]
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+# ---------------------------------------------------------------------------------------------- modules
+
+
+def _trunc_normal_(weight: torch.Tensor, std: float) -> None:
+    # torch's default cut-off is +-2 in absolute value, i.e. ~100 std here: in effect a normal(0, std).
+    nn.init.trunc_normal_(weight, mean=0.0, std=std)
+
+
+def _grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention over ``[batch, heads, seq, head_dim]``; ``k``/``v`` may have fewer heads than ``q``.
+
+    SDPA's ``enable_gqa`` avoids materializing the repeated KV heads, but on CUDA only the flash kernel
+    (fp16/bf16) supports it; elsewhere it would fall back to the memory-hungry math kernel. So fp32 on CUDA
+    repeats the KV heads explicitly and keeps the memory-efficient kernel available.
+    """
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
+        k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class Attention(nn.Module):
+    """Causal multi-head self-attention with grouped-query KV heads and rotary position embeddings."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape
+        # -1 rather than n_heads: under tensor parallel each projection holds only this rank's heads.
+        q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
+        k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
+        v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
+        q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # SDPA wants [batch, heads, seq, head_dim]
+        out = _grouped_query_attention(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+
+    def init_weights(self, out_init_std: float) -> None:
+        for linear in (self.wq, self.wk, self.wv):
+            _trunc_normal_(linear.weight, INIT_STD)
+        _trunc_normal_(self.wo.weight, out_init_std)
+
+
+def ffn_hidden_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """SwiGLU width: 2/3 of 4*dim (three matrices cost what two 4*dim ones would), scaled, rounded up."""
+    hidden = int(2 * (4 * dim) / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: ``w2(silu(w1(x)) * w3(x))``; ``w1``/``w3`` shard by columns, ``w2`` by rows under TP."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, out_init_std: float) -> None:
+        _trunc_normal_(self.w1.weight, INIT_STD)
+        _trunc_normal_(self.w2.weight, out_init_std)
+        _trunc_normal_(self.w3.weight, out_init_std)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm residual block: ``h = x + attn(norm(x)); out = h + ffn(norm(h))``."""
+
+    def __init__(self, layer_id: int, args: ModelArgs) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.feed_forward = FeedForward(
+            args.dim, ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier)
+        )
+        # Projections that write into the residual stream start smaller so the stream's variance does not
+        # grow with depth: by layer index (depth_init) or uniformly by the total number of layers.
+        depth = layer_id + 1 if args.depth_init else args.n_layers
+        self.out_init_std = INIT_STD / math.sqrt(2 * depth)
+
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), freqs_cis)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        self.attention_norm.reset_parameters()
+        self.ffn_norm.reset_parameters()
+        self.attention.init_weights(self.out_init_std)
+        self.feed_forward.init_weights(self.out_init_std)
+
+
+class Transformer(nn.Module):
+    """Llama 3: token embedding, ``n_layers`` blocks, final RMSNorm and an untied output projection.
+
+    ``forward(tokens[B, T]) -> logits[B, T, vocab]``. A pipeline stage may set ``tok_embeddings`` (then the
+    input is hidden states ``[B, T, dim]``) and/or ``norm`` and ``output`` to ``None`` (then it returns
+    hidden states), and may delete entries of ``layers``.
+    """
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        # Not persistent: it is a pure function of args, so checkpoints neither store nor need it. Keep it
+        # complex64: model.to(<real dtype>) would drop its imaginary part (init_weights recomputes it).
+        self.register_buffer(
+            "freqs_cis", torch.empty(args.max_seq_len, args.head_dim // 2, dtype=torch.complex64),
+            persistent=False,
+        )
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.init_weights()  # on the meta device this costs nothing and fills nothing
+
+    def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
+        """(Re)initialize every parameter and recompute the RoPE table.
+
+        Call after ``to_empty()`` when the model was built on the meta device (``to_empty`` leaves the
+        buffer uninitialized too). ``buffer_device`` defaults to where the buffer is now.
+        """
+        with torch.device(buffer_device or self.freqs_cis.device):
+            self.freqs_cis = precompute_freqs_cis(
+                self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.args.rope_scaling
+            )
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
+        for layer in self.layers.values():
+            layer.init_weights()
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None:
+            std = self.args.dim**-0.5
+            nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seq_len = h.shape[1]
+        if seq_len > self.freqs_cis.shape[0]:
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.freqs_cis.shape[0]}")
+        freqs_cis = self.freqs_cis[:seq_len]
+        for layer in self.layers.values():
+            h = layer(h, freqs_cis)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+
+
+def count_parameters(model: nn.Module, exclude_embedding: bool = False) -> int:
+    """Number of parameters; works on meta models, and counts DTensor parameters at their global size.
+
+    ``exclude_embedding`` leaves out the token embedding (a lookup, no FLOPs) but keeps the output
+    projection, the convention of ``flops_per_token``.
+    """
+    total = 0
+    for name, param in model.named_parameters():
+        if exclude_embedding and "tok_embeddings" in name.split("."):
+            continue
+        total += param.numel()  # a DTensor reports its global numel
+    return total
+
+
+def flops_per_token(args: ModelArgs, num_params_non_embedding: int, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward) of the dense model: ``6 N + 12 L H d T``.
+
+    * ``6 N``: every weight is used in one multiply-add (2 FLOPs) forward and two backward (input and
+      weight gradients). ``N`` excludes the token embedding (a gather, not a matmul) and includes the output
+      projection (a real matmul), as ``count_parameters(model, exclude_embedding=True)`` returns.
+    * ``12 L H d T``: attention scores ``Q K^T`` and the weighted sum ``A V``, 2 FLOPs x ``T`` x ``H d``
+      each per token and layer, times 3 for forward + backward. The full ``T x T`` score matrix is
+      counted, although causal kernels skip about half of it (the usual MFU convention).
+
+    ``L`` layers, ``H`` query heads, ``d`` head dimension, ``T`` sequence length.
+    """
+    attention = 12 * args.n_layers * args.n_heads * args.head_dim * seq_len
+    return float(6 * num_params_non_embedding + attention)
+
+
+def build_model(
+    flavor: str,
+    vocab_size: int | None = None,
+    max_seq_len: int | None = None,
+    device: torch.device | str = "meta",
+) -> Transformer:
+    """Build a flavor from ``LLAMA3_FLAVORS``, optionally overriding its vocabulary and RoPE table length.
+
+    On the meta device the result holds no storage: ``to_empty`` and ``init_weights`` it after
+    parallelizing. On a real device it comes back initialized.
+    """
+    if flavor not in LLAMA3_FLAVORS:
+        raise ConfigError(
+            f"[model] flavor '{flavor}' is unknown; choose one of: {', '.join(LLAMA3_FLAVORS)}."
+        )
+    overrides: dict[str, int] = {}
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
+    if max_seq_len is not None:
+        overrides["max_seq_len"] = max_seq_len
+    args = dataclasses.replace(LLAMA3_FLAVORS[flavor], **overrides)
+    with torch.device(device):
+        return Transformer(args)
