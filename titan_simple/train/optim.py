@@ -1,0 +1,166 @@
+"""Optimizer and learning-rate schedule.
+
+Weight decay applies to every parameter, norms and embeddings included (the TorchTitan convention): one
+parameter group keeps the optimizer state layout simple to checkpoint and to shard. With ``AdamW`` the decay
+is decoupled (``p -= lr * weight_decay * p``); with ``Adam`` it is classic L2 (``grad += weight_decay * p``).
+
+Parameters may be DTensors (FSDP2 / tensor-parallel shards): every implementation works on them in torch
+2.13 because Adam is elementwise, so each rank updates its own shard with the same arithmetic as on a plain
+tensor (``tests/test_optim.py`` checks bitwise equality).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+from titan_simple.errors import ConfigError
+
+OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
+IMPLEMENTATIONS = ("foreach", "for-loop", "fused")
+DECAY_TYPES = ("linear", "sqrt", "cosine", "constant")
+
+
+def _implementation_kwargs(implementation: str) -> dict[str, bool]:
+    if implementation == "foreach":
+        return {"foreach": True}
+    if implementation == "for-loop":
+        return {"foreach": False}
+    if implementation == "fused":
+        return {"fused": True}
+    raise ConfigError(
+        f"[optimizer] implementation = {implementation!r} is not supported; "
+        f"use one of {', '.join(IMPLEMENTATIONS)}."
+    )
+
+
+def build_optimizer(
+    model: nn.Module,
+    *,
+    name: str = "AdamW",
+    lr: float,
+    eps: float,
+    weight_decay: float,
+    betas: tuple[float, float] = (0.9, 0.95),
+    implementation: str = "foreach",
+) -> torch.optim.Optimizer:
+    """One optimizer over every trainable parameter of ``model`` (one param group, decay on all of them)."""
+    if name not in OPTIMIZERS:
+        raise ConfigError(f"[optimizer] name = {name!r} is not supported; use 'AdamW' or 'Adam'.")
+    if not lr > 0:
+        raise ConfigError(f"[optimizer] lr = {lr!r} is impossible; use a positive learning rate.")
+    if not eps > 0:
+        raise ConfigError(f"[optimizer] eps = {eps!r} is impossible; use a positive epsilon.")
+    if not weight_decay >= 0:
+        raise ConfigError(f"[optimizer] weight_decay = {weight_decay!r} is impossible; use a value >= 0.")
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ConfigError(f"[optimizer] betas = {betas!r} is impossible; use two values in [0, 1).")
+    params = [p for p in model.parameters() if p.requires_grad]
+    kernel_style = _implementation_kwargs(implementation)
+    return OPTIMIZERS[name](params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kernel_style)
+
+
+@dataclass
+class WarmupStableDecay:
+    """The LR multiplier of a warmup -> stable -> decay (WSD) schedule, as a picklable callable.
+
+    ``LambdaLR`` calls it with ``last_epoch`` = the number of scheduler steps taken so far; the value it
+    returns is used by the next optimizer step, whose 1-based index is ``s = last_epoch + 1``. With
+    ``W = warmup_steps``, ``D = decay_steps``, ``N = total_steps``, ``m = min_lr_factor``:
+
+    * warmup,  ``1 <= s <= W``:          ``s / (W + 1)``  (never 0, so the first step already learns)
+    * stable,  ``W < s <= N - D``:       ``1``
+    * decay,   ``N - D < s <= N``:        ``m + (1 - m) * g(p)`` with ``p = (s - (N - D)) / (D + 1)`` and
+      ``g(p) = 1 - p`` (linear), ``1 - sqrt(p)`` (sqrt), ``(1 + cos(pi * p)) / 2`` (cosine). Like the
+      warmup it excludes both end points: the first decay step is just below 1, the last just above ``m``,
+      so no step is wasted at lr 0.
+    * after,   ``s > N``:                 ``m`` (the value left behind after the final scheduler step)
+
+    ``decay_type = "constant"`` (or ``D = 0``) keeps 1 after warmup. The fields are plain attributes, so
+    ``LambdaLR.state_dict()`` saves them and ``load_state_dict`` restores them.
+    """
+
+    warmup_steps: int
+    decay_steps: int
+    total_steps: int
+    decay_type: str = "linear"
+    min_lr_factor: float = 0.0
+
+    def __call__(self, last_epoch: int) -> float:
+        step = last_epoch + 1
+        if step <= self.warmup_steps:
+            return step / (self.warmup_steps + 1)
+        if self.decay_type == "constant":
+            return 1.0
+        decay_start = self.total_steps - self.decay_steps
+        if step <= decay_start:
+            return 1.0
+        if step > self.total_steps:
+            return self.min_lr_factor
+        progress = (step - decay_start) / (self.decay_steps + 1)
+        if self.decay_type == "linear":
+            remaining = 1.0 - progress
+        elif self.decay_type == "sqrt":
+            remaining = 1.0 - math.sqrt(progress)
+        else:  # cosine
+            remaining = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.min_lr_factor + (1.0 - self.min_lr_factor) * remaining
+
+
+def decay_steps_for(steps: int, warmup_steps: int, decay_ratio: float | None) -> int:
+    """Length of the decay phase: ``round(decay_ratio * steps)`` (Python rounding, half to even), or every
+    step after warmup when ``decay_ratio`` is None."""
+    return steps - warmup_steps if decay_ratio is None else round(decay_ratio * steps)
+
+
+def build_lr_scheduler(
+    optimizer: torch.optim.Optimizer,
+    *,
+    steps: int,
+    warmup_steps: int,
+    decay_ratio: float | None,
+    decay_type: str = "linear",
+    min_lr_factor: float = 0.0,
+) -> LambdaLR:
+    """A ``LambdaLR`` driven by :class:`WarmupStableDecay` (see there for the exact formula).
+
+    ``decay_ratio`` < 1 - warmup share leaves a stable phase at the peak LR between warmup and decay (WSD).
+    """
+    if steps <= 0:
+        raise ConfigError(f"[training] steps = {steps!r} is impossible; use a positive number of steps.")
+    if warmup_steps < 0:
+        raise ConfigError(f"[lr_scheduler] warmup_steps = {warmup_steps!r} is impossible; use a value >= 0.")
+    if warmup_steps > steps:
+        raise ConfigError(
+            f"[lr_scheduler] warmup_steps = {warmup_steps} exceeds [training] steps = {steps}; "
+            f"lower warmup_steps or raise steps."
+        )
+    if decay_type not in DECAY_TYPES:
+        raise ConfigError(
+            f"[lr_scheduler] decay_type = {decay_type!r} is not supported; "
+            f"use one of {', '.join(DECAY_TYPES)}."
+        )
+    if decay_ratio is not None and not 0 <= decay_ratio <= 1:
+        raise ConfigError(
+            f"[lr_scheduler] decay_ratio = {decay_ratio!r} is impossible; use none or a fraction in [0, 1]."
+        )
+    if not 0 <= min_lr_factor <= 1:
+        raise ConfigError(
+            f"[lr_scheduler] min_lr_factor = {min_lr_factor!r} is impossible; use a fraction in [0, 1]."
+        )
+    decay_steps = 0 if decay_type == "constant" else decay_steps_for(steps, warmup_steps, decay_ratio)
+    if warmup_steps + decay_steps > steps:
+        raise ConfigError(
+            f"[lr_scheduler] warmup_steps = {warmup_steps} plus decay_ratio = {decay_ratio} x {steps} "
+            f"= {decay_steps} decay steps exceeds [training] steps = {steps}; "
+            f"lower decay_ratio or warmup_steps."
+        )
+    schedule = WarmupStableDecay(
+        warmup_steps=warmup_steps, decay_steps=decay_steps, total_steps=steps,
+        decay_type=decay_type, min_lr_factor=min_lr_factor,
+    )
+    return LambdaLR(optimizer, schedule)
