@@ -29,8 +29,11 @@ def apply_fsdp2(
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     # The root's parameters are used last in forward and first in backward: keeping them is free.
     fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy, reshard_after_forward=False)
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            # The loss is already divided by the global token count: gradients must be summed, not averaged.
-            module.set_gradient_divide_factor(1.0)
     return model
+
+
+def gradient_averaging_factor(model: nn.Module, dp_degree: int) -> int:
+    """FSDP2 averages gradients over the data-parallel ranks; our loss is already divided by the global
+    token count, so the trainer multiplies the loss by this factor to get summed gradients back.
+    (``set_gradient_divide_factor(1.0)`` would say it directly, but needs PREMUL_SUM, which gloo lacks.)"""
+    return dp_degree if isinstance(model, FSDPModule) else 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
-import time
 from typing import Any
 
 import torch
@@ -17,10 +16,17 @@ from titan_simple.data import Tokenizer, build_dataloader
 from titan_simple.errors import ConfigError
 from titan_simple.models.llama3 import build_model, count_parameters, flops_per_token
 from titan_simple.parallel.dims import ParallelDims, dp_rank_and_size
-from titan_simple.parallel.parallelize import param_dtype_for, parallelize_llama
+from titan_simple.parallel.fsdp2 import gradient_averaging_factor
+from titan_simple.parallel.parallelize import parallelize_llama, param_dtype_for
 from titan_simple.parallel.sharded_init import layout_invariant_init
 from titan_simple.train.distributed import DistInfo, init_process_group, read_launch_environment
-from titan_simple.train.metrics import MemoryMonitor, MetricsLogger, peak_flops_per_second
+from titan_simple.train.metrics import (
+    MemoryMonitor,
+    MetricsLogger,
+    StepTimer,
+    global_avg_and_max,
+    peak_flops_per_second,
+)
 from titan_simple.train.optim import build_lr_scheduler, build_optimizer
 
 logger = logging.getLogger("titan_simple")
@@ -145,6 +151,7 @@ class Trainer:
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
         t = self.config.training
         global_tokens = t.local_batch_size * t.seq_len * self.dims.dp * len(batches)
+        loss_scale = gradient_averaging_factor(self.model, self.dims.dp) / global_tokens
         self.optimizer.zero_grad()
         local_loss_sum = torch.zeros((), device=self.device)
         for inputs, labels in batches:
@@ -152,33 +159,21 @@ class Trainer:
             with self._autocast():
                 logits = self.model(inputs)
             loss_sum = cross_entropy_sum(logits, labels)
-            (loss_sum / global_tokens).backward()
+            (loss_sum * loss_scale).backward()
             local_loss_sum += loss_sum.detach()
         grad_norm = self._clip_gradients()
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses, before the schedule advances
         self.optimizer.step()
         self.lr_scheduler.step()
         local_tokens = global_tokens // self.dims.dp
         return {"local_mean": local_loss_sum / local_tokens, "global_tokens": global_tokens,
-                "grad_norm": grad_norm}
+                "grad_norm": grad_norm, "lr": lr}
 
     def _clip_gradients(self) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.config.training.max_norm
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-    def _reduce_losses(self, local_mean: torch.Tensor) -> tuple[float, float]:
-        """(global mean over every token of the step, max over data-parallel ranks of their mean)."""
-        if not self.dist.is_distributed:
-            value = local_mean.item()
-            return value, value
-        both = torch.stack([local_mean, local_mean]).to(self.device)
-        mean = both[:1].clone()
-        dist.all_reduce(mean, op=dist.ReduceOp.SUM)
-        maximum = both[1:].clone()
-        dist.all_reduce(maximum, op=dist.ReduceOp.MAX)
-        # every data-parallel rank saw the same number of tokens, so the mean of means is the token mean
-        return mean.item() / self.dist.world_size, maximum.item()
 
     # ------------------------------------------------------------------------------------------ loop
 
@@ -196,25 +191,29 @@ class Trainer:
         t, log_freq = self.config.training, self.config.metrics.log_freq
         previous_handlers = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
         data_iter = iter(self.dataloader)
-        window_start, window_data_time, window_tokens, window_steps = time.perf_counter(), 0.0, 0, 0
-        train_start = time.perf_counter()
+        timer = StepTimer()
         self.memory.reset_peak()
         try:
             while self.step < t.steps:
                 self.step += 1
-                data_start = time.perf_counter()
-                batches = [next(data_iter) for _ in range(self.gradient_accumulation_steps)]
-                window_data_time += time.perf_counter() - data_start
+                with timer.data_loading():
+                    batches = [next(data_iter) for _ in range(self.gradient_accumulation_steps)]
                 result = self.train_step(batches)
-                window_tokens += result["global_tokens"] // self.dims.dp
-                window_steps += 1
-                avg_loss, max_loss = self._reduce_losses(result["local_mean"])
+                # Tokens per device: ranks that split one batch (tensor / pipeline parallel) share its tokens.
+                timer.step_done(result["global_tokens"] // self.dist.world_size)
+                avg_loss, max_loss = global_avg_and_max(result["local_mean"])
                 self.losses.append(avg_loss)
                 if self.step == 1 or self.step % log_freq == 0 or self.step == t.steps:
-                    elapsed = time.perf_counter() - window_start
-                    self._log(avg_loss, max_loss, result["grad_norm"].item(), elapsed, window_data_time,
-                              window_tokens, window_steps, time.perf_counter() - train_start)
-                    window_start, window_data_time, window_tokens, window_steps = time.perf_counter(), 0.0, 0, 0
+                    metrics = {
+                        "loss_metrics/global_avg_loss": avg_loss,
+                        "loss_metrics/global_max_loss": max_loss,
+                        "grad_norm": result["grad_norm"].item(),
+                        "lr": result["lr"],
+                        **timer.window_metrics(self.flops_per_token, self.peak_flops),
+                        **self.memory.read(),
+                    }
+                    self.metrics.log(self.step, metrics, total_steps=t.steps,
+                                     eta_seconds=timer.eta_seconds(t.steps))
                     self.memory.reset_peak()
                 if self._everyone_agrees_to_stop():
                     logger.warning("stopped at step %d of %d on request", self.step, t.steps)
@@ -224,23 +223,3 @@ class Trainer:
                 signal.signal(s, handler)
             self.metrics.close()
         return self.losses
-
-    def _log(self, avg_loss: float, max_loss: float, grad_norm: float, elapsed: float, data_time: float,
-             tokens: int, steps: int, total_elapsed: float) -> None:
-        tokens_per_second = tokens / elapsed
-        metrics = {
-            "loss_metrics/global_avg_loss": avg_loss,
-            "loss_metrics/global_max_loss": max_loss,
-            "grad_norm": grad_norm,
-            "lr": self.lr_scheduler.get_last_lr()[0],
-            "throughput(tps)": tokens_per_second,
-            "tflops": tokens_per_second * self.flops_per_token / 1e12,
-            "time_metrics/end_to_end(s)": elapsed / steps,
-            "time_metrics/data_loading(s)": data_time / steps,
-            "time_metrics/data_loading(%)": 100 * data_time / elapsed,
-        }
-        if self.peak_flops:
-            metrics["mfu(%)"] = 100 * tokens_per_second * self.flops_per_token / self.peak_flops
-        metrics.update(self.memory.read())
-        remaining = (self.config.training.steps - self.step) * total_elapsed / self.step
-        self.metrics.log(self.step, metrics, total_steps=self.config.training.steps, eta_seconds=remaining)

@@ -1,0 +1,131 @@
+"""Activation checkpointing as ONE selective-checkpoint policy per wrapped module.
+
+Two users want to decide what a module keeps for backward:
+
+* SimpleFSDP's reshard-after-forward (``reshard_policy``): the all-gathered weights, their dtype cast and
+  every view of them must be recomputed in backward, so the unsharded weights die after forward;
+* activation checkpointing proper (``full_recompute_policy`` here, op-level selective policies later):
+  which activations to save and which to recompute.
+
+Each is a *policy*: ``policy(ctx, op, *args, **kwargs)`` returns a ``CheckpointPolicy`` or ``None`` ("no
+opinion"). ``compose_policies(a, b, ...)`` asks them in order and takes the first opinion; with none, the
+op's output is saved, so a module checkpointed only for resharding keeps the activations a module without
+checkpointing would. ``apply_checkpoint(modules, policy)`` runs each module's forward under
+``torch.utils.checkpoint`` with that policy; a module that is already checkpointed gets the new policy
+composed in front of its old one, never a second, nested checkpoint.
+
+The wrapper swaps the module's class for a subclass whose ``forward`` calls the checkpoint: the module tree,
+and so every parameter name in ``state_dict()``, stays exactly as it was (torch's ``checkpoint_wrapper``
+would insert ``_checkpoint_wrapped_module.`` into every name).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from functools import partial
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+Policy = Callable[..., CheckpointPolicy | None]
+
+_c10d = torch.ops._c10d_functional
+# Non-view ops DTensor runs between a parameter shard and its unsharded copy: the cast to param_dtype, the
+# padding of an uneven shard, and the concatenation when the gathered dim is not dim 0 (or is strided).
+# In model code these ops only move data (``x.float()``, ``torch.stack``), so recomputing them there too
+# costs a copy and never more memory.
+_GATHER_DATA_OPS = {
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten.constant_pad_nd.default,
+    torch.ops.aten.cat.default,
+    _c10d.wait_tensor.default,
+    _c10d._wrap_tensor_autograd.default,
+}
+
+
+def is_view_op(op) -> bool:
+    """Ops whose output aliases an input (``view``, ``t``, ``slice``, ``split``, ...). Saving one keeps its
+    whole base alive and recomputing it is free, so they are never worth saving."""
+    schema = getattr(op, "_schema", None)
+    if schema is None:
+        return False
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def reshard_policy(data_parallel_group_names: Iterable[str]) -> Policy:
+    """Recompute in backward exactly what produces an unsharded parameter: the all-gathers over the
+    data-parallel groups, the cast and padding before them, the unpadding/concatenation after them, and
+    views. All-gathers over other groups (tensor-parallel activations) are left to the next policy."""
+    groups = frozenset(data_parallel_group_names)
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy | None:
+        if op is _c10d.all_gather_into_tensor.default:
+            return CheckpointPolicy.MUST_RECOMPUTE if args[2] in groups else None
+        if op in _GATHER_DATA_OPS or is_view_op(op):
+            return CheckpointPolicy.MUST_RECOMPUTE
+        return None
+
+    return policy
+
+
+def full_recompute_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    """Full activation checkpointing: keep only the module's inputs, recompute everything in backward."""
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def compose_policies(*policies: Policy | None) -> Callable[..., CheckpointPolicy]:
+    """The first policy with an opinion decides; with none, the output is saved (as without checkpointing)."""
+    chain = tuple(p for p in policies if p is not None)
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        for p in chain:
+            decision = p(ctx, op, *args, **kwargs)
+            if decision is not None:
+                return decision
+        return CheckpointPolicy.PREFER_SAVE
+
+    policy.chain = chain  # what apply_checkpoint composes a later policy with
+    return policy
+
+
+_CHECKPOINTED_CLASSES: dict[type, type] = {}
+
+
+def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
+    if getattr(cls, "_is_checkpointed", False):
+        return cls
+    if cls not in _CHECKPOINTED_CLASSES:
+        original_forward = cls.forward
+
+        def forward(self, *args, **kwargs):
+            # Model code mutates some saved outputs in place (rms_norm: ``mean(x^2).add_(eps)``). The cache
+            # then holds the mutated value, and the in-place op itself is replayed from the cache, not
+            # re-run: correct, so allow it rather than fail.
+            context_fn = partial(
+                create_selective_checkpoint_contexts, self._checkpoint_policy, allow_cache_entry_mutation=True
+            )
+            return checkpoint(original_forward, self, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+        _CHECKPOINTED_CLASSES[cls] = type(cls.__name__, (cls,), {"forward": forward, "_is_checkpointed": True})
+    return _CHECKPOINTED_CLASSES[cls]
+
+
+def apply_checkpoint(modules: nn.Module | Iterable[nn.Module], policy: Policy) -> None:
+    """Checkpoint each module's forward with ``policy``, in place (``modules``: one module, an iterable, or
+    the entries of a ModuleList / ModuleDict). Applying a second policy to a module
+    composes it in front of the first (the later caller's opinion wins), so SimpleFSDP can add its reshard
+    policy to blocks that activation checkpointing already wraps."""
+    if isinstance(modules, nn.ModuleDict):
+        modules = modules.values()
+    elif isinstance(modules, nn.Module) and not isinstance(modules, nn.ModuleList):
+        modules = [modules]
+    for module in modules:
+        previous = getattr(module, "_checkpoint_policy", None)
+        chain = getattr(previous, "chain", (previous,))
+        module._checkpoint_policy = compose_policies(policy, *chain)
+        module.__class__ = _checkpointed_class(type(module))
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    return getattr(type(module), "_is_checkpointed", False)
