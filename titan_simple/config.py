@@ -108,7 +108,13 @@ class Parallelism:
     tensor_parallel_degree: int = option(1, "Tensor-parallel degree.")
     pipeline_parallel_degree: int = option(1, "Pipeline-parallel degree.")
     fsdp_implementation: str = option(
-        "fsdp2", "Data-parallel wrapper: PyTorch's FSDP2 (fully_shard).", choices=("fsdp2",)
+        "simple", "Data-parallel wrapper: 'simple' (SimpleFSDP, compiles whole) or 'fsdp2' (PyTorch's "
+        "fully_shard, the eager baseline; compiled per block).", choices=("simple", "fsdp2"),
+    )
+    fsdp_reshard_after_forward: str = option(
+        "default", "Free gathered weights after forward and gather again in backward: always, never, or "
+        "default (always, except under pipeline parallel where it would gather once per microbatch).",
+        choices=("default", "always", "never"),
     )
 
 

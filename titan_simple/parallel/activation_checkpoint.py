@@ -129,3 +129,42 @@ def apply_checkpoint(modules: nn.Module | Iterable[nn.Module], policy: Policy) -
 
 def is_checkpointed(module: nn.Module) -> bool:
     return getattr(type(module), "_is_checkpointed", False)
+
+
+# ---------------------------------------------------------------------------------------------- AC modes
+
+_aten = torch.ops.aten
+# Op-level selective AC saves the outputs of the expensive ops and recomputes the cheap ones around them
+# (norms, activations, RoPE, casts): most of the memory saving of full AC at a fraction of its compute.
+_SAVE_IN_SELECTIVE_AC = {
+    _aten.mm.default,
+    _aten.addmm.default,
+    _aten.bmm.default,
+    _aten._scaled_dot_product_flash_attention.default,
+    _aten._scaled_dot_product_efficient_attention.default,
+    _aten._scaled_dot_product_cudnn_attention.default,
+    _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    _c10d.reduce_scatter_tensor.default,  # tensor-parallel activation collectives: never run them twice
+    _c10d.all_reduce.default,
+}
+
+
+def selective_op_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    if op in _SAVE_IN_SELECTIVE_AC:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def apply_activation_checkpointing(blocks: nn.ModuleDict | nn.ModuleList, mode: str, option: str = "op") -> None:
+    """``full``: every block keeps only its input. ``selective`` + ``op``: every block saves matmul and
+    attention outputs only. ``selective`` + ``N``: every N-th block is fully checkpointed."""
+    blocks = list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
+    if mode == "full":
+        apply_checkpoint(blocks, full_recompute_policy)
+    elif mode == "selective" and option == "op":
+        apply_checkpoint(blocks, selective_op_policy)
+    elif mode == "selective":
+        every = int(option)
+        apply_checkpoint([b for i, b in enumerate(blocks) if (i + 1) % every == 0], full_recompute_policy)
+    elif mode != "none":
+        raise ValueError(f"activation checkpointing mode {mode!r} is unknown")

@@ -1,4 +1,9 @@
-"""The recipe: how a Llama 3 model becomes a parallel one, in the order it happens."""
+"""The recipe: how a Llama 3 model becomes a parallel one, in the order it happens.
+
+    activation checkpointing -> data parallel (SimpleFSDP or FSDP2) -> torch.compile
+
+Tensor and pipeline parallel slot in before and around these steps as they land.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_simple.config import JobConfig
+from titan_simple.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_simple.parallel.dims import ParallelDims, dp_mesh
 from titan_simple.parallel.fsdp2 import apply_fsdp2
+from titan_simple.parallel.simple_fsdp import MixedPrecisionPolicy, data_parallel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -21,17 +28,46 @@ def param_dtype_for(config: JobConfig, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def reshard_after_forward(config: JobConfig, dims: ParallelDims) -> bool:
+    choice = config.parallelism.fsdp_reshard_after_forward
+    if choice == "default":
+        # Under PP each microbatch would all-gather again; one gather per step is worth the memory.
+        return dims.pp == 1
+    return choice == "always"
+
+
 def parallelize_llama(
     model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, config: JobConfig, device: torch.device
 ) -> nn.Module:
-    """Data parallel over the (dp_replicate, dp_shard) mesh."""
+    """Apply activation checkpointing, data parallel and compilation to ``model`` (on the meta device)."""
+    ac = config.activation_checkpoint
+    if ac.mode != "none":
+        apply_activation_checkpointing(model.layers, ac.mode, ac.selective_ac_option)
+
+    simple = config.parallelism.fsdp_implementation == "simple"
+    compile_config = config.compile
+    if compile_config.enable and not simple:
+        # FSDP2's hooks break a whole-model graph (fullgraph fails in torch 2.13): compile block by block.
+        for block in model.layers.values():
+            block.compile(backend=compile_config.backend, fullgraph=True)
+
     if dims.dp_enabled:
-        apply_fsdp2(
-            model,
-            dp_mesh(mesh, dims),
-            mode=dims.data_parallel_mode,
-            param_dtype=param_dtype_for(config, device),
-            reduce_dtype=DTYPES[config.training.mixed_precision_reduce],
-            reshard_after_forward=True,
-        )
+        param_dtype = param_dtype_for(config, device)
+        reduce_dtype = DTYPES[config.training.mixed_precision_reduce]
+        if simple:
+            data_parallel(
+                model,
+                dp_mesh(mesh, dims),
+                mode=dims.data_parallel_mode,
+                mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+                reshard_after_forward=reshard_after_forward(config, dims),
+            )
+        else:
+            apply_fsdp2(model, dp_mesh(mesh, dims), mode=dims.data_parallel_mode, param_dtype=param_dtype,
+                        reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward(config, dims))
+
+    if compile_config.enable and simple:
+        # The whole model in one graph, the collectives included: Inductor sees and schedules them.
+        # nn.Module.compile keeps the module (and its state_dict names) as they are.
+        model.compile(backend=compile_config.backend, fullgraph=True)
     return model

@@ -19,6 +19,7 @@ from titan_simple.parallel.dims import ParallelDims, dp_rank_and_size
 from titan_simple.parallel.fsdp2 import gradient_averaging_factor
 from titan_simple.parallel.parallelize import parallelize_llama, param_dtype_for
 from titan_simple.parallel.sharded_init import layout_invariant_init
+from titan_simple.parallel.simple_fsdp import clip_grad_norm_, sharded_parameters
 from titan_simple.train.distributed import DistInfo, init_process_group, read_launch_environment
 from titan_simple.train.metrics import (
     MemoryMonitor,
@@ -79,7 +80,7 @@ class Trainer:
         self.model = parallelize_llama(model, self.dims, self.mesh, config, self.device)
         self.model.to_empty(device=self.device)
         torch.manual_seed(t.seed)
-        with torch.no_grad(), layout_invariant_init():
+        with torch.no_grad(), sharded_parameters(), layout_invariant_init():
             self.model.init_weights(buffer_device=self.device)
         self.model.train()
 
@@ -172,8 +173,7 @@ class Trainer:
     def _clip_gradients(self) -> torch.Tensor:
         params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.config.training.max_norm
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        return clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
 
     # ------------------------------------------------------------------------------------------ loop
 

@@ -1,0 +1,114 @@
+"""Run a test function on N gloo ranks (CPU) in spawned processes and hand the results back.
+
+    results = run_on_ranks(check_something, world_size=2, args=(16,))   # [result_rank0, result_rank1]
+
+``fn(rank, world_size, *args)`` runs inside an initialized default process group (gloo, rendezvous through
+a ``FileStore`` in a fresh temporary directory, so there is no port to race for). Whatever it returns
+must be picklable. An exception in any rank is re-raised in the parent with the child's traceback; a rank
+that dies without reporting (segfault, abort) fails the call with its exit code. Every rank ends with
+``dist.barrier(); dist.destroy_process_group()``: gloo occasionally aborts at interpreter exit otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import tempfile
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+class RankFailed(RuntimeError):
+    """A rank raised or died; the message holds each failing rank's traceback or exit code."""
+
+
+def _worker(fn, rank, world_size, store_path, args, kwargs, results, threads):
+    torch.set_num_threads(threads)
+    ok = False
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+        value = fn(rank, world_size, *args, **kwargs)
+        ok = True
+        # Plain pickle to bytes: torch.multiprocessing would share tensors through file descriptors that
+        # vanish when this process exits.
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:  # noqa: B036 -- report anything, including KeyboardInterrupt, to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            if ok:  # after a failure the peers may be gone: a barrier would hang
+                dist.barrier()
+            dist.destroy_process_group()
+
+
+def run_on_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout_s: float = 600.0,
+) -> list[Any]:
+    """``[fn(0, world_size, *args), ..., fn(world_size - 1, ...)]``, each run in its own process.
+
+    ``fn`` must be importable by name (a module-level function), as spawn pickles it by reference.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_worker,
+                args=(fn, rank, world_size, store_path, tuple(args), kwargs or {}, results, threads),
+                daemon=False,
+            )
+            for rank in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        try:
+            while len(outcomes) < world_size:
+                try:
+                    rank, ok, value = results.get(timeout=1.0)
+                    outcomes[rank] = (ok, pickle.loads(value) if ok else value)
+                    if not ok:
+                        timeout_s = min(timeout_s, 5.0)  # give the others a moment to report, no more
+                    continue
+                except queue.Empty:
+                    pass
+                timeout_s -= 1.0
+                dead = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in outcomes]
+                if dead or timeout_s <= 0:
+                    # Give a dying rank's report a moment to arrive before declaring it silent.
+                    try:
+                        while True:
+                            rank, ok, value = results.get(timeout=2.0)
+                            outcomes[rank] = (ok, pickle.loads(value) if ok else value)
+                    except queue.Empty:
+                        pass
+                    break
+        finally:
+            failed = any(not ok for ok, _ in outcomes.values()) or len(outcomes) < world_size
+            for p in procs:
+                p.join(timeout=30 if not failed else 5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    errors = [f"--- rank {r} raised:\n{value}" for r, (ok, value) in sorted(outcomes.items()) if not ok]
+    if errors or len(outcomes) < world_size:
+        silent = [
+            f"--- rank {r} did not report (exit code {p.exitcode})" for r, p in enumerate(procs) if r not in outcomes
+        ]
+        if not errors and timeout_s <= 0:
+            silent.insert(0, "timed out")
+        raise RankFailed("\n".join(errors + silent))
+    return [outcomes[r][1] for r in range(world_size)]
