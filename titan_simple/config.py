@@ -106,7 +106,28 @@ class Parallelism:
     data_parallel_replicate_degree: int = option(1, "Replicas (DDP dimension; HSDP when combined with sharding).")
     data_parallel_shard_degree: int = option(-1, "Shards (FSDP dimension); -1 = the rest of the world size.")
     tensor_parallel_degree: int = option(1, "Tensor-parallel degree.")
+    disable_loss_parallel: bool = option(
+        False, "With tensor parallel, all-gather the full logits for the loss instead of computing the "
+        "cross-entropy on vocab-sharded logits (loss parallel, the default: less memory and traffic)."
+    )
     pipeline_parallel_degree: int = option(1, "Pipeline-parallel degree.")
+    pipeline_parallel_schedule: str = option(
+        "1F1B", "Pipeline schedule. GPipe and 1F1B run 1 stage per pp rank; Interleaved1F1B, LoopedBFS and "
+        "InterleavedZeroBubble 2 or more (looped: stage s on rank s % pp); ZBVZeroBubble exactly 2 (V-shaped: "
+        "rank r holds stages r and 2 pp - 1 - r).",
+        choices=("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble"),
+    )
+    pipeline_parallel_microbatch_size: int = option(
+        1, "Sequences per pipeline microbatch; local_batch_size / this = microbatches per step."
+    )
+    pipeline_parallel_layers_per_stage: int | None = option(
+        None, "Transformer layers per pipeline stage (the last stage takes the rest); none = as many stages as "
+        "the schedule runs per rank (1 or 2) times the pp degree, layers split evenly."
+    )
+    pipeline_parallel_split_points: list[str] = option(
+        [], "Layers that start a new pipeline stage, e.g. ['layers.2', 'layers.4'] for 3 stages; "
+        "[] = split by pipeline_parallel_layers_per_stage or evenly."
+    )
     fsdp_implementation: str = option(
         "simple", "Data-parallel wrapper: 'simple' (SimpleFSDP, compiles whole) or 'fsdp2' (PyTorch's "
         "fully_shard, the eager baseline; compiled per block).", choices=("simple", "fsdp2"),
@@ -395,6 +416,25 @@ def validate(config: JobConfig) -> None:
         _require(getattr(p, key) >= 1, config, "parallelism", key, "an integer >= 1")
     _require(p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1, config, "parallelism",
              "data_parallel_shard_degree", "-1 (the rest of the world) or an integer >= 1")
+    _validate_pipeline(config)
+
+
+def _validate_pipeline(config: JobConfig) -> None:
+    """The pipeline keys on their own; the checks against the model's layers live in parallel/pipeline.py."""
+    p = config.parallelism
+    _require(p.pipeline_parallel_microbatch_size >= 1, config, "parallelism", "pipeline_parallel_microbatch_size",
+             "a positive integer")
+    _require(p.pipeline_parallel_layers_per_stage is None or p.pipeline_parallel_layers_per_stage >= 1, config,
+             "parallelism", "pipeline_parallel_layers_per_stage", "none or a positive integer")
+    points = p.pipeline_parallel_split_points
+    starts = [int(s.removeprefix("layers.")) if s.startswith("layers.") and s[7:].isdigit() else -1 for s in points]
+    _require(all(start >= 1 for start in starts) and starts == sorted(set(starts)), config, "parallelism",
+             "pipeline_parallel_split_points", "strictly increasing layer names 'layers.N' (N >= 1), e.g. "
+             "['layers.2', 'layers.4']")
+    if p.pipeline_parallel_degree > 1:
+        _require(config.training.local_batch_size % p.pipeline_parallel_microbatch_size == 0, config, "parallelism",
+                 "pipeline_parallel_microbatch_size",
+                 f"a divisor of [training] local_batch_size = {config.training.local_batch_size}")
 
 
 # ---------------------------------------------------------------------------------------------- help

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan_simple.errors import ConfigError
+from titan_simple.models.llama3 import ModelArgs, ffn_hidden_dim
+
+if TYPE_CHECKING:
+    from titan_simple.config import JobConfig
 
 # Outermost to innermost: pipeline stages talk least, tensor-parallel ranks most (keep them on one node).
 MESH_DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
@@ -81,6 +87,37 @@ class ParallelDims:
     def describe(self) -> str:
         dims = self.enabled_dims
         return " x ".join(f"{name}{size}" for name, size in dims.items()) or "single process"
+
+
+def validate_parallelism(dims: ParallelDims, model_args: ModelArgs, config: JobConfig) -> None:
+    """Checks of the degrees against the model and the sequence length; no process group needed, so call it
+    before creating one. Tensor parallel splits the attention heads (query and KV), the SwiGLU width and the
+    vocabulary (embedding rows, output columns, loss-parallel logits) evenly, and sequence parallel splits
+    every sequence; ``dim = n_heads x head_dim`` then divides too."""
+    tp = dims.tp
+    if tp == 1:
+        return
+    flavor = config.model.flavor
+    sizes = {
+        "n_heads": model_args.n_heads,
+        "n_kv_heads": model_args.n_kv_heads,
+        "SwiGLU hidden size": ffn_hidden_dim(model_args.dim, model_args.multiple_of, model_args.ffn_dim_multiplier),
+        "vocab_size": model_args.vocab_size,
+    }
+    common = math.gcd(*sizes.values())
+    fitting = ", ".join(str(d) for d in range(1, min(common, 64) + 1) if common % d == 0)
+    for what, size in sizes.items():
+        if size % tp:
+            raise ConfigError(
+                f"[parallelism] tensor_parallel_degree = {tp} does not divide {what} = {size} of [model] "
+                f"flavor '{flavor}'; tensor parallel splits it evenly, so use one of {fitting}."
+            )
+    seq_len = config.training.seq_len
+    if seq_len % tp:
+        raise ConfigError(
+            f"[training] seq_len = {seq_len} is not a multiple of [parallelism] tensor_parallel_degree = {tp}; "
+            f"sequence parallel splits every sequence evenly, so use e.g. {seq_len - seq_len % tp + tp}."
+        )
 
 
 def dp_mesh(mesh: DeviceMesh | None, dims: ParallelDims) -> DeviceMesh | None:

@@ -1,8 +1,9 @@
 """The recipe: how a Llama 3 model becomes a parallel one, in the order it happens.
 
-    activation checkpointing -> data parallel (SimpleFSDP or FSDP2) -> torch.compile
+    tensor parallel -> activation checkpointing -> data parallel (SimpleFSDP or FSDP2) -> torch.compile
 
-Tensor and pipeline parallel slot in before and around these steps as they land.
+Tensor parallel goes first, on the meta model: the data-parallel wrappers then shard its DTensor parameters
+further over the dp mesh (the joint (dp, tp) mesh). Pipeline parallel slots in around these steps.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from titan_simple.parallel.activation_checkpoint import apply_activation_checkpo
 from titan_simple.parallel.dims import ParallelDims, dp_mesh
 from titan_simple.parallel.fsdp2 import apply_fsdp2
 from titan_simple.parallel.simple_fsdp import MixedPrecisionPolicy, data_parallel
+from titan_simple.parallel.tensor_parallel import apply_tensor_parallel, keep_gradient_layouts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -36,18 +38,43 @@ def reshard_after_forward(config: JobConfig, dims: ParallelDims) -> bool:
     return choice == "always"
 
 
+def uses_loss_parallel(dims: ParallelDims, config: JobConfig) -> bool:
+    """Whether the model returns vocab-sharded logits, so the loss (and its backward) must run under
+    ``tensor_parallel.loss_parallel_context(True)``."""
+    return dims.tp > 1 and not config.parallelism.disable_loss_parallel
+
+
+# Pipeline schedules that split each backward into input and weight gradients by walking the autograd graph.
+ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+def compile_per_block(config: JobConfig, dims: ParallelDims) -> bool:
+    """Compile each transformer block rather than the whole model (or pipeline stage): with FSDP2, whose hooks
+    break a whole-model graph (fullgraph fails in torch 2.13), and under the zero-bubble pipeline schedules,
+    whose split backward gives wrong weight gradients through a whole compiled stage (measured: some are 0)."""
+    if config.parallelism.fsdp_implementation != "simple":
+        return True
+    return dims.pp > 1 and config.parallelism.pipeline_parallel_schedule in ZERO_BUBBLE_SCHEDULES
+
+
 def parallelize_llama(
     model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, config: JobConfig, device: torch.device
 ) -> nn.Module:
-    """Apply activation checkpointing, data parallel and compilation to ``model`` (on the meta device)."""
+    """Apply tensor parallel, activation checkpointing, data parallel and compilation to ``model`` (on the
+    meta device)."""
+    if dims.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"], loss_parallel=uses_loss_parallel(dims, config))
+        if not dims.dp_enabled:
+            keep_gradient_layouts(model)  # the data-parallel wrappers would otherwise do it
+
     ac = config.activation_checkpoint
     if ac.mode != "none":
         apply_activation_checkpointing(model.layers, ac.mode, ac.selective_ac_option)
 
     simple = config.parallelism.fsdp_implementation == "simple"
     compile_config = config.compile
-    if compile_config.enable and not simple:
-        # FSDP2's hooks break a whole-model graph (fullgraph fails in torch 2.13): compile block by block.
+    per_block = compile_per_block(config, dims)
+    if compile_config.enable and per_block:
         for block in model.layers.values():
             block.compile(backend=compile_config.backend, fullgraph=True)
 
@@ -66,7 +93,7 @@ def parallelize_llama(
             apply_fsdp2(model, dp_mesh(mesh, dims), mode=dims.data_parallel_mode, param_dtype=param_dtype,
                         reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward(config, dims))
 
-    if compile_config.enable and simple:
+    if compile_config.enable and not per_block:
         # The whole model in one graph, the collectives included: Inductor sees and schedules them.
         # nn.Module.compile keeps the module (and its state_dict names) as they are.
         model.compile(backend=compile_config.backend, fullgraph=True)

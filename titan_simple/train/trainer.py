@@ -10,16 +10,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titan_simple.config import JobConfig, resolve_project_path
 from titan_simple.data import Tokenizer, build_dataloader
 from titan_simple.errors import ConfigError
-from titan_simple.models.llama3 import build_model, count_parameters, flops_per_token
-from titan_simple.parallel.dims import ParallelDims, dp_rank_and_size
+from titan_simple.models.llama3 import LLAMA3_FLAVORS, build_model, count_parameters, flops_per_token
+from titan_simple.parallel.dims import ParallelDims, dp_rank_and_size, validate_parallelism
 from titan_simple.parallel.fsdp2 import gradient_averaging_factor
-from titan_simple.parallel.parallelize import parallelize_llama, param_dtype_for
-from titan_simple.parallel.sharded_init import layout_invariant_init
-from titan_simple.parallel.simple_fsdp import clip_grad_norm_, sharded_parameters
+from titan_simple.parallel.parallelize import parallelize_llama, param_dtype_for, uses_loss_parallel
+from titan_simple.parallel.pipeline import build_pipeline, plan_pipeline
+from titan_simple.parallel.sharded_init import materialize_and_init
+from titan_simple.parallel.simple_fsdp import clip_grad_norm_
+from titan_simple.parallel.tensor_parallel import loss_parallel_context
 from titan_simple.train.distributed import DistInfo, init_process_group, read_launch_environment
 from titan_simple.train.metrics import (
     MemoryMonitor,
@@ -34,8 +38,14 @@ logger = logging.getLogger("titan_simple")
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed token cross-entropy in fp32; the caller divides by the global number of target tokens."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    """Summed token cross-entropy in fp32; the caller divides by the global number of target tokens.
+
+    Vocab-sharded DTensor logits (tensor parallel with loss parallel) need this call *and* the backward
+    inside ``tensor_parallel.loss_parallel_context(True)``; the result is then a plain tensor, this rank's
+    copy of the full loss (the same on every TP rank).
+    """
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 class Trainer:
@@ -53,6 +63,11 @@ class Trainer:
             world_size=self.dist.world_size,
         )
         self.gradient_accumulation_steps = self._accumulation_steps()
+        if config.model.flavor in LLAMA3_FLAVORS:  # an unknown flavor is reported by build_model
+            validate_parallelism(self.dims, LLAMA3_FLAVORS[config.model.flavor], config)
+            if self.dims.pp > 1:
+                self.pp_plan = plan_pipeline(config, LLAMA3_FLAVORS[config.model.flavor].n_layers, self.dims.pp)
+        self.loss_parallel = uses_loss_parallel(self.dims, config)
         self.tokenizer = Tokenizer(resolve_project_path(config.model.tokenizer_path))  # fails fast on a bad path
         init_process_group(self.dist)  # only now: every check above needs no communication
         torch.manual_seed(t.seed)
@@ -77,16 +92,23 @@ class Trainer:
             self.model_args, count_parameters(model, exclude_embedding=True), t.seq_len
         )
         self.param_dtype = param_dtype_for(config, self.device)
-        self.model = parallelize_llama(model, self.dims, self.mesh, config, self.device)
-        self.model.to_empty(device=self.device)
-        torch.manual_seed(t.seed)
-        with torch.no_grad(), sharded_parameters(), layout_invariant_init():
-            self.model.init_weights(buffer_device=self.device)
-        self.model.train()
+        if self.dims.pp > 1:
+            # This rank's stages, each split off, parallelized and initialized like a whole model, and the
+            # schedule that runs them. self.model stays None: every stage is in self.model_parts.
+            self.model = None
+            self.pipeline = build_pipeline(
+                model, self.dims, self.mesh, config, self.device, self.pp_plan, cross_entropy_sum
+            )
+            self.model_parts = self.pipeline.model_parts
+        else:
+            self.pipeline = None
+            self.model = parallelize_llama(model, self.dims, self.mesh, config, self.device)
+            materialize_and_init(self.model, self.device, t.seed)  # the same values on every layout
+            self.model_parts = [self.model]
 
         o, s = config.optimizer, config.lr_scheduler
         self.optimizer = build_optimizer(
-            self.model, name=o.name, lr=o.lr, eps=o.eps, weight_decay=o.weight_decay,
+            nn.ModuleList(self.model_parts), name=o.name, lr=o.lr, eps=o.eps, weight_decay=o.weight_decay,
             implementation=o.implementation,
         )
         self.lr_scheduler = build_lr_scheduler(
@@ -140,6 +162,8 @@ class Trainer:
             str(self.param_dtype).removeprefix("torch."), self.device, tokens, self.gradient_accumulation_steps,
             t.dataset, self.config.job.dump_folder,
         )
+        if self.pipeline is not None:
+            logger.info(self.pipeline.describe())
 
     # ------------------------------------------------------------------------------------------ step
 
@@ -152,16 +176,25 @@ class Trainer:
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, float]:
         t = self.config.training
         global_tokens = t.local_batch_size * t.seq_len * self.dims.dp * len(batches)
-        loss_scale = gradient_averaging_factor(self.model, self.dims.dp) / global_tokens
+        loss_scale = gradient_averaging_factor(self.model_parts[0], self.dims.dp) / global_tokens
         self.optimizer.zero_grad()
         local_loss_sum = torch.zeros((), device=self.device)
         for inputs, labels in batches:
             inputs, labels = inputs.to(self.device), labels.to(self.device)
+            if self.pipeline is not None:  # forward and backward through all stages, microbatch by microbatch
+                with self._autocast(), loss_parallel_context(self.loss_parallel):
+                    loss_sum = self.pipeline.step(inputs, labels, loss_scale)
+                if loss_sum is not None:  # only the rank with the last stage sees the loss
+                    local_loss_sum += loss_sum
+                continue
             with self._autocast():
                 logits = self.model(inputs)
-            loss_sum = cross_entropy_sum(logits, labels)
-            (loss_sum * loss_scale).backward()
+            with loss_parallel_context(self.loss_parallel):
+                loss_sum = cross_entropy_sum(logits, labels)
+                (loss_sum * loss_scale).backward()
             local_loss_sum += loss_sum.detach()
+        if self.pipeline is not None:
+            local_loss_sum = self.pipeline.sum_over_stages(local_loss_sum)
         grad_norm = self._clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses, before the schedule advances
         self.optimizer.step()
@@ -171,9 +204,12 @@ class Trainer:
                 "grad_norm": grad_norm, "lr": lr}
 
     def _clip_gradients(self) -> torch.Tensor:
-        params = [p for p in self.model.parameters() if p.grad is not None]
+        params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
         max_norm = self.config.training.max_norm
-        return clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
+        max_norm = max_norm if max_norm > 0 else float("inf")
+        if self.pipeline is not None:  # one norm over all stages: the pp ranks combine theirs
+            return self.pipeline.clip_grad_norm_(params, max_norm)
+        return clip_grad_norm_(params, max_norm, foreach=True)
 
     # ------------------------------------------------------------------------------------------ loop
 
