@@ -155,6 +155,20 @@ class ActivationCheckpoint:
 class Compile:
     enable: bool = option(False, "torch.compile the model (whole model, fullgraph, with SimpleFSDP).")
     backend: str = option("inductor", "Compiler backend; aot_eager helps debugging.", choices=("inductor", "aot_eager"))
+    bucketing: str = option(
+        "none", "SimpleFSDP collective bucketing (inductor only): none (one all-gather / reduce-scatter per "
+        "parameter), transformer_block (one per bucket of manual_bucketed_modules, default: embeddings, each "
+        "block, [norm, output]) or auto (Inductor's overlap scheduler picks the buckets from a runtime model).",
+        choices=("none", "transformer_block", "auto"),
+    )
+    manual_bucketed_modules: list[str | list[str]] = option(
+        [], "With bucketing=transformer_block: the buckets, in order, each a module FQN or a list of FQNs, "
+        "e.g. ['tok_embeddings', 'layers.0', 'layers.1', ['norm', 'output']]; [] = one per transformer block."
+    )
+    reorder: bool = option(
+        False, "Move collectives so they overlap compute: prefetch the next bucket's all-gather, defer the "
+        "reduce-scatter's wait (auto bucketing always reorders)."
+    )
 
 
 @dataclass
@@ -416,6 +430,9 @@ def validate(config: JobConfig) -> None:
         _require(getattr(p, key) >= 1, config, "parallelism", key, "an integer >= 1")
     _require(p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1, config, "parallelism",
              "data_parallel_shard_degree", "-1 (the rest of the world) or an integer >= 1")
+    c = config.compile
+    _require(not c.manual_bucketed_modules or c.bucketing == "transformer_block", config, "compile",
+             "manual_bucketed_modules", "[] unless bucketing = 'transformer_block' (the manual plan)")
     _validate_pipeline(config)
 
 

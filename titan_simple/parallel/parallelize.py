@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_simple.config import JobConfig
 from titan_simple.parallel.activation_checkpoint import apply_activation_checkpointing
+from titan_simple.parallel.compile import compile_model
 from titan_simple.parallel.dims import ParallelDims, dp_mesh
 from titan_simple.parallel.fsdp2 import apply_fsdp2
 from titan_simple.parallel.simple_fsdp import MixedPrecisionPolicy, data_parallel
@@ -95,6 +96,14 @@ def parallelize_llama(
 
     if compile_config.enable and not per_block:
         # The whole model in one graph, the collectives included: Inductor sees and schedules them.
-        # nn.Module.compile keeps the module (and its state_dict names) as they are.
-        model.compile(backend=compile_config.backend, fullgraph=True)
+        # nn.Module.compile keeps the module (and its state_dict names) as they are. compile_model adds the
+        # [compile] bucketing / reordering passes and writes comm_plan.json/.txt to the dump folder.
+        compile_model(
+            model,
+            backend=compile_config.backend,
+            bucketing=compile_config.bucketing,
+            manual_plan=compile_config.manual_bucketed_modules or None,
+            reorder=compile_config.reorder,
+            dump_folder=config.job.dump_folder,
+        )
     return model

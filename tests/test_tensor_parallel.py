@@ -1,0 +1,355 @@
+"""Tensor parallel (with sequence and loss parallel) on the real Llama 3 debug model: the same losses as
+one process, alone and composed with SimpleFSDP, eager and compiled, under every activation-checkpointing
+mode; the layout of its parameters and gradients; its checks against the model.
+
+Every model is built the trainer's way: meta device -> ``parallelize_llama`` from a ``JobConfig`` ->
+``sharded_init.materialize_and_init`` (``to_empty``, then ``init_weights`` under ``sharded_parameters()`` +
+``layout_invariant_init(model, seed)``, which draws each whole parameter from its own seed). Each
+data-parallel rank trains on its slice (along the batch dim) of one fixed global batch per step, and all TP
+ranks of a dp group read the same slice; the loss is the summed cross-entropy (``trainer.cross_entropy_sum``,
+under ``loss_parallel_context`` when the logits are vocab-sharded) over the global token count, AdamW from
+``build_optimizer``, clipping with ``simple_fsdp.clip_grad_norm_``. The single-process reference is the same
+recipe with world size 1, computed once in the test process.
+
+Two spawned jobs run all the multi-process cases, so processes start and compilation happens once per job:
+2 ranks (tp2, with and without loss parallel) and 4 ranks (dp_shard2 x tp2: eager, compiled, AC full /
+selective, FSDP2 instead of SimpleFSDP; plus the weights and placements after training).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from tests.distributed_utils import run_on_ranks
+from titan_simple.config import load_job_config
+from titan_simple.errors import ConfigError
+from titan_simple.models.llama3 import LLAMA3_FLAVORS, build_model
+from titan_simple.parallel.dims import ParallelDims, dp_rank_and_size, validate_parallelism
+from titan_simple.parallel.fsdp2 import gradient_averaging_factor
+from titan_simple.parallel.parallelize import parallelize_llama, uses_loss_parallel
+from titan_simple.parallel.sharded_init import materialize_and_init
+from titan_simple.parallel.simple_fsdp import clip_grad_norm_
+from titan_simple.parallel.tensor_parallel import loss_parallel_context
+from titan_simple.train.distributed import DistInfo
+from titan_simple.train.optim import build_optimizer
+from titan_simple.train.trainer import Trainer, cross_entropy_sum
+
+FLAVOR = "debugmodel"
+SEQ_LEN = 64
+GLOBAL_BATCH = 4  # sequences per step; dp2 ranks take 2 each, TP ranks of one dp group the same 2
+STEPS = 10
+AC_STEPS = 3  # enough to show AC changes nothing: steps 2 and 3 depend on the recomputed backward
+LR = 3e-3
+MAX_NORM = 1.0
+VOCAB = 2000
+DEVICE = torch.device("cpu")
+
+# Measured on 2 CPU cores, torch 2.13 (largest relative difference from the reference over the steps; run
+# with -s to see them): losses 1.2e-7 (tp2, dp2 x tp2 eager / compiled / AC), gradient norms 5.4e-5,
+# weights after 10 steps 9.1e-6 of the largest weight. Gradient norms differ more than losses: torch's fp32 CPU norm of
+# the 512k-entry output-projection gradient is itself ~3e-5 off its fp64 value, and the TP ranks take it in
+# two halves (step 1: fp64 1.0435406; reference 1.0434747; tp2 1.0435150), while the gradients agree to 1e-6.
+LOSS_RTOL = 1e-5
+NORM_RTOL = 1e-4
+WEIGHT_RTOL = 5e-5  # Adam amplifies tiny gradient differences of near-zero gradient entries
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(4321 + step)
+    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def job_config(*overrides: str):
+    return load_job_config(
+        [
+            f"--model.flavor={FLAVOR}",
+            f"--training.seq_len={SEQ_LEN}",
+            "--training.mixed_precision_param=float32",
+            f"--optimizer.lr={LR}",
+            f"--training.max_norm={MAX_NORM}",
+            *overrides,
+        ]
+    )
+
+
+_MESHES: dict = {}
+
+
+def build_parallel_model(config, world_size: int):
+    """meta -> parallelize_llama -> to_empty -> seeded init of the shards: the Trainer's recipe."""
+    p = config.parallelism
+    dims = ParallelDims(
+        dp_replicate=p.data_parallel_replicate_degree,
+        dp_shard=p.data_parallel_shard_degree,
+        tp=p.tensor_parallel_degree,
+        pp=p.pipeline_parallel_degree,
+        world_size=world_size,
+    )
+    # One world mesh per layout and process, as in the trainer: DTensor may hand a parameter an equal mesh
+    # object from an earlier, equal world mesh, and SimpleFSDP composes only slices of one identical root.
+    key = tuple(dims.enabled_dims.items())
+    if key not in _MESHES:
+        _MESHES[key] = dims.build_mesh(DEVICE.type)
+    mesh = _MESHES[key]
+    model = build_model(config.model.flavor, max_seq_len=config.training.seq_len, device="meta")
+    model = parallelize_llama(model, dims, mesh, config, DEVICE)
+    materialize_and_init(model, DEVICE, config.training.seed)
+    return model, dims, mesh
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    """Unsharded copies of the parameters (``full_tensor()`` is a collective: every rank must call it; of a
+    replicated DTensor it returns the local tensor itself, hence the clone)."""
+    return {
+        name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+        for name, value in model.state_dict().items()
+    }
+
+
+def train(config, world_size: int = 1, steps: int = STEPS, inspect: bool = False) -> dict:
+    """``steps`` optimizer steps of the trainer's train_step; every rank returns the global losses."""
+    model, dims, mesh = build_parallel_model(config, world_size)
+    out: dict = {"losses": [], "norms": []}
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if inspect:
+        init = full_state(model)  # on every rank: full_tensor() is a collective
+        out["init"] = init if rank0 else None
+    dp_rank, dp_size = dp_rank_and_size(mesh, dims)
+    o = config.optimizer
+    optimizer = build_optimizer(model, name=o.name, lr=o.lr, eps=o.eps, weight_decay=o.weight_decay)
+    loss_parallel = uses_loss_parallel(dims, config)
+    if config.compile.enable:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+    global_tokens = GLOBAL_BATCH * SEQ_LEN
+    loss_scale = gradient_averaging_factor(model, dims.dp) / global_tokens  # FSDP2 averages over dp
+    rows = GLOBAL_BATCH // dp_size
+    for step in range(steps):
+        inputs, labels = (t[dp_rank * rows : (dp_rank + 1) * rows] for t in global_batch(step))
+        optimizer.zero_grad()
+        logits = model(inputs)
+        if step == 0:
+            out["logits_type"] = (type(logits).__name__, tuple(getattr(logits, "placements", ())))
+        with loss_parallel_context(loss_parallel):
+            loss_sum = cross_entropy_sum(logits, labels)
+            (loss_sum * loss_scale).backward()
+        if step == 0 and inspect:
+            out["grad_layouts_match"] = all(
+                isinstance(p.grad, DTensor) and p.grad.placements == p.placements for p in model.parameters()
+            )
+        norm = clip_grad_norm_([p for p in model.parameters() if p.grad is not None], MAX_NORM, foreach=True)
+        optimizer.step()
+        total = loss_sum.detach().clone()
+        if dist.is_initialized():
+            dist.all_reduce(total)  # TP ranks hold the same loss: the world sum is tp x the dp sum
+        out["losses"].append(total.item() / dims.tp / global_tokens)
+        out["norms"].append(norm.item())
+    if config.compile.enable:
+        counters = torch._dynamo.utils.counters
+        out["graph_breaks"] = sum(counters["graph_break"].values())
+        out["unique_graphs"] = counters["stats"]["unique_graphs"]
+    if inspect:
+        state = model.state_dict()
+        out["state_types"] = {type(v).__name__ for v in state.values()}
+        out["placements"] = {k: tuple(v.placements) for k, v in state.items() if isinstance(v, DTensor)}
+        out["freqs_cis_type"] = type(model.freqs_cis).__name__
+        final = full_state(model)
+        out["final"] = final if rank0 else None
+    return out
+
+
+def _run_configs(rank: int, world_size: int, configs: dict) -> dict:
+    results = {}
+    for name, (overrides, steps, inspect) in configs.items():
+        start = time.perf_counter()
+        result = train(job_config(*overrides), world_size, steps=steps, inspect=inspect)
+        result["seconds"] = time.perf_counter() - start
+        if rank != 0:  # only rank 0 returns the weights: less to pickle
+            result = {k: v for k, v in result.items() if k not in ("init", "final")}
+        results[name] = result
+    return results
+
+
+TP2 = ("--parallelism.tensor_parallel_degree=2",)
+DP2_TP2 = ("--parallelism.data_parallel_shard_degree=2", *TP2)
+TWO_RANK_CONFIGS = {
+    "tp2/loss_parallel": (TP2, STEPS, True),
+    "tp2/no_loss_parallel": ((*TP2, "--parallelism.disable_loss_parallel"), STEPS, False),
+}
+FOUR_RANK_CONFIGS = {
+    "dp2_tp2/eager": (DP2_TP2, STEPS, True),
+    "dp2_tp2/compiled": ((*DP2_TP2, "--compile.enable"), STEPS, False),
+    "dp2_tp2/ac_full": ((*DP2_TP2, "--activation_checkpoint.mode=full"), AC_STEPS, False),
+    "dp2_tp2/ac_selective": ((*DP2_TP2, "--activation_checkpoint.mode=selective"), AC_STEPS, False),
+    "dp2_tp2/fsdp2": ((*DP2_TP2, "--parallelism.fsdp_implementation=fsdp2"), AC_STEPS, True),
+}
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return train(job_config(), world_size=1, inspect=True)
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[dict]:
+    return run_on_ranks(_run_configs, 2, args=(TWO_RANK_CONFIGS,))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> list[dict]:
+    dump = f"--job.dump_folder={tmp_path_factory.mktemp('tp_dump')}"  # the compiled run writes its comm plan
+    configs = {name: ((*args, dump), steps, inspect) for name, (args, steps, inspect) in FOUR_RANK_CONFIGS.items()}
+    return run_on_ranks(_run_configs, 4, args=(configs,))
+
+
+def max_rel_diff(values, expected) -> float:
+    return max(abs(v - e) / abs(e) for v, e in zip(values, expected, strict=False))
+
+
+def assert_parity(results: list[dict], key: str, reference: dict) -> None:
+    for rank, rank_results in enumerate(results):
+        run = rank_results[key]
+        steps = len(run["losses"])
+        print(f"{key} rank {rank}: losses {max_rel_diff(run['losses'], reference['losses'][:steps]):.1e}, "
+              f"norms {max_rel_diff(run['norms'], reference['norms'][:steps]):.1e}, {run['seconds']:.0f} s")  # -s
+        assert max_rel_diff(run["losses"], reference["losses"][:steps]) <= LOSS_RTOL, (
+            rank, run["losses"], reference["losses"])
+        assert max_rel_diff(run["norms"], reference["norms"][:steps]) <= NORM_RTOL, (
+            rank, run["norms"], reference["norms"])
+
+
+def max_weight_diff(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    """Largest |difference| over the largest |weight|: relative to the model's scale, not per entry."""
+    assert state.keys() == expected.keys()
+    scale = max(v.abs().max().item() for v in expected.values())
+    return max((state[k] - v).abs().max().item() for k, v in expected.items()) / scale
+
+
+# ---------------------------------------------------------------------------------------------- parity
+
+
+@pytest.mark.slow
+def test_reference_trains(reference):
+    assert len(reference["losses"]) == STEPS
+    assert reference["losses"][-1] < reference["losses"][0]
+    assert reference["logits_type"] == ("Tensor", ())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["loss_parallel", "no_loss_parallel"])
+def test_tp2_matches_single_process(two_ranks, reference, variant):
+    assert_parity(two_ranks, f"tp2/{variant}", reference)
+
+
+@pytest.mark.slow
+def test_loss_parallel_keeps_logits_vocab_sharded(two_ranks):
+    assert two_ranks[0]["tp2/loss_parallel"]["logits_type"] == ("DTensor", (Shard(2),))
+    assert two_ranks[0]["tp2/no_loss_parallel"]["logits_type"] == ("Tensor", ())
+
+
+@pytest.mark.slow
+def test_tp_alone_init_layouts_and_state_dict(two_ranks, reference):
+    run = two_ranks[0]["tp2/loss_parallel"]
+    assert max_weight_diff(run["init"], reference["init"]) == 0.0  # layout-invariant init: bitwise
+    assert run["grad_layouts_match"]  # no Partial norm gradients, no Replicate embedding gradient
+    assert run["state_types"] == {"DTensor"}
+    assert run["freqs_cis_type"] == "Tensor"  # the RoPE buffer stays a plain tensor
+    placements = run["placements"]
+    assert placements["tok_embeddings.weight"] == (Shard(0),)  # vocab rows
+    assert placements["layers.0.attention.wq.weight"] == (Shard(0),)
+    assert placements["layers.0.attention.wo.weight"] == (Shard(1),)
+    assert placements["layers.0.feed_forward.w2.weight"] == (Shard(1),)
+    assert placements["layers.0.attention_norm.weight"] == (Replicate(),)
+    assert placements["output.weight"] == (Shard(0),)
+    final_diff = max_weight_diff(run["final"], reference["final"])
+    print(f"weights after {STEPS} steps: {final_diff:.1e} of the largest weight")
+    assert final_diff <= WEIGHT_RTOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["eager", "compiled"])
+def test_dp2_tp2_matches_single_process(four_ranks, reference, variant):
+    assert_parity(four_ranks, f"dp2_tp2/{variant}", reference)
+    if variant == "compiled":
+        run = four_ranks[0]["dp2_tp2/compiled"]
+        assert run["graph_breaks"] == 0 and run["unique_graphs"] == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_activation_checkpointing_changes_nothing_on_dp2_tp2(four_ranks, reference, mode):
+    assert_parity(four_ranks, f"dp2_tp2/ac_{mode}", reference)
+    eager = four_ranks[0]["dp2_tp2/eager"]["losses"][:AC_STEPS]
+    assert max_rel_diff(four_ranks[0][f"dp2_tp2/ac_{mode}"]["losses"], eager) <= LOSS_RTOL
+
+
+@pytest.mark.slow
+def test_fsdp2_composes_with_tp(four_ranks, reference):
+    assert_parity(four_ranks, "dp2_tp2/fsdp2", reference)
+    run = four_ranks[0]["dp2_tp2/fsdp2"]
+    assert run["grad_layouts_match"] and run["state_types"] == {"DTensor"}
+    assert run["placements"]["layers.0.attention.wq.weight"] == (_StridedShard(0, split_factor=2), Shard(0))
+
+
+@pytest.mark.slow
+def test_dp2_tp2_state_dict_holds_the_single_process_weights(four_ranks, reference):
+    run = four_ranks[0]["dp2_tp2/eager"]
+    # Layout-invariant init through _StridedShard (dp) x Shard (tp) placements: bitwise the reference init.
+    assert max_weight_diff(run["init"], reference["init"]) == 0.0
+    assert run["state_types"] == {"DTensor"} and run["freqs_cis_type"] == "Tensor"
+    assert run["grad_layouts_match"]
+    placements = run["placements"]
+    assert placements["layers.0.attention.wq.weight"] == (_StridedShard(0, split_factor=2), Shard(0))
+    assert placements["layers.0.attention.wo.weight"] == (Shard(0), Shard(1))
+    assert placements["layers.0.attention_norm.weight"] == (Shard(0), Replicate())
+    final_diff = max_weight_diff(run["final"], reference["final"])
+    print(f"weights after {STEPS} steps: {final_diff:.1e} of the largest weight")
+    assert final_diff <= WEIGHT_RTOL
+
+
+# ---------------------------------------------------------------------------------------------- checks
+
+
+def _dims(tp: int, world_size: int | None = None) -> ParallelDims:
+    return ParallelDims(dp_replicate=1, dp_shard=-1, tp=tp, pp=1, world_size=world_size or tp)
+
+
+@pytest.mark.parametrize(
+    ("tp", "message"),
+    [(3, "does not divide n_heads = 16"), (16, "does not divide n_kv_heads = 8")],
+)
+def test_heads_must_divide_by_tp(tp, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        validate_parallelism(_dims(tp), LLAMA3_FLAVORS[FLAVOR], job_config())
+    assert "tensor_parallel_degree" in str(error.value) and "use one of 1, 2, 4, 8" in str(error.value)
+
+
+def test_seq_len_must_divide_by_tp():
+    with pytest.raises(ConfigError, match=r"\[training\] seq_len = 66 is not a multiple of .* = 4.*use e.g. 68"):
+        validate_parallelism(_dims(4), LLAMA3_FLAVORS[FLAVOR], job_config("--training.seq_len=66"))
+    validate_parallelism(_dims(4), LLAMA3_FLAVORS[FLAVOR], job_config("--training.seq_len=68"))
+    validate_parallelism(_dims(1), LLAMA3_FLAVORS[FLAVOR], job_config("--training.seq_len=67"))
+
+
+def test_trainer_rejects_bad_tp_before_any_process_group():
+    config = job_config("--parallelism.tensor_parallel_degree=3")
+    info = DistInfo(rank=0, world_size=3, local_rank=0, device=DEVICE)  # no peers exist: a PG would hang
+    with pytest.raises(ConfigError, match="n_heads"):
+        Trainer(config, info)
+    assert not dist.is_initialized()
+
+
+def test_disable_loss_parallel_option():
+    assert job_config().parallelism.disable_loss_parallel is False
+    config = job_config("--parallelism.disable_loss_parallel", *TP2)
+    assert config.parallelism.disable_loss_parallel is True
+    assert not uses_loss_parallel(_dims(2), config)
+    assert uses_loss_parallel(_dims(2), job_config(*TP2))
+    assert not uses_loss_parallel(_dims(1), job_config())
