@@ -10,7 +10,9 @@ import pytest
 
 from titan_simple.config import help_text, load_job_config
 from titan_simple.errors import ConfigError
-from titan_simple.parallel.dims import ParallelDims
+from titan_simple.models.llama3 import LLAMA3_FLAVORS
+from titan_simple.parallel.dims import ParallelDims, validate_parallelism
+from titan_simple.parallel.pipeline import plan_pipeline
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,10 +99,19 @@ def test_shipped_configs_load(name):
      ("llama3_405b.toml", 512, (1, 8, 8, 8))],
 )
 def test_shipped_layouts_fit_their_world_size(name, world_size, expected):
-    p = load_job_config(["--config", name]).parallelism
+    """The cluster configs validate for their intended world size (degrees, head/vocab/seq_len divisibility,
+    the pipeline split), all without building the model or a process group."""
+    config = load_job_config(["--config", name])
+    p = config.parallelism
     dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
                         p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size)
     assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp) == expected
+    model_args = LLAMA3_FLAVORS[config.model.flavor]
+    validate_parallelism(dims, model_args, config)
+    if dims.pp > 1:
+        plan = plan_pipeline(config, model_args.n_layers, dims.pp)
+        layers = [i for stage in plan.stage_layers for i in stage]
+        assert layers == list(range(model_args.n_layers))  # every layer once, in order
 
 
 def test_degrees_that_do_not_multiply_to_world_size():

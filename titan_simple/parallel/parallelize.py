@@ -52,8 +52,13 @@ ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
 def compile_per_block(config: JobConfig, dims: ParallelDims) -> bool:
     """Compile each transformer block rather than the whole model (or pipeline stage): with FSDP2, whose hooks
     break a whole-model graph (fullgraph fails in torch 2.13), and under the zero-bubble pipeline schedules,
-    whose split backward gives wrong weight gradients through a whole compiled stage (measured: some are 0)."""
+    whose split backward gives wrong weight gradients through a whole compiled stage (measured: some are 0),
+    and for tensor parallel inside a pipeline stage, where AOTAutograd's partitioner fails on the last stage
+    (input activations that need gradients, vocab-sharded DTensor logits out: "Node tangents_2 was invalid,
+    but is output", torch 2.13)."""
     if config.parallelism.fsdp_implementation != "simple":
+        return True
+    if dims.pp > 1 and dims.tp > 1:
         return True
     return dims.pp > 1 and config.parallelism.pipeline_parallel_schedule in ZERO_BUBBLE_SCHEDULES
 
