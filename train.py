@@ -1,6 +1,8 @@
 """Entry point: ``torchrun --nproc_per_node=2 train.py --config configs/llama3_debug.toml [--section.key value ...]``.
 
 Also runs as plain ``python train.py ...`` (one process). ``--help`` lists every config key.
+``python train.py --config llama3_70b.toml --dry_run --dry_run.world_size 256`` plans a cluster run instead
+(per-rank memory, collectives, predicted tokens/s; see titan_simple/planning/dry_run.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ def main(argv: list[str] | None = None) -> int:
         from titan_simple.config import load_job_config
 
         config = load_job_config(argv)
+        if config.dry_run.enable:  # plan the run on this machine: one fake rank, meta tensors, no training
+            from titan_simple.planning.dry_run import run_dry_run
+
+            run_dry_run(config)
+            return 0
         from titan_simple.train.distributed import shutdown_distributed
         from titan_simple.train.trainer import Trainer
 

@@ -179,6 +179,109 @@ class Metrics:
 
 
 @dataclass
+class Validation:
+    enable: bool = option(False, "Evaluate loss and perplexity on held-out data every freq steps and at the last.")
+    dataset: str = option(
+        "shakespeare", "Held-out data: the built-in 'shakespeare' corpus's validation split (plays it never trains "
+        "on), or local files read as 'text', 'json', 'parquet' or 'auto' from dataset_path.",
+    )
+    dataset_path: str | None = option(
+        None, "Local file, folder or glob of held-out data (needed unless the dataset is built in)."
+    )
+    freq: int = option(100, "Validate every this many training steps (and at the last step).")
+    steps: int = option(
+        10, "Batches per validation; -1 = the whole held-out set (until the first data-parallel rank runs out)."
+    )
+    local_batch_size: int = option(-1, "Sequences per data-parallel rank per batch; -1 = [training] local_batch_size.")
+    seq_len: int = option(-1, "Tokens per sequence; -1 = [training] seq_len (which is also the upper limit).")
+
+
+@dataclass
+class Profiling:
+    enable_profiling: bool = option(
+        False, "Record torch.profiler traces (Chrome/Perfetto JSON, one per rank) every profile_freq steps."
+    )
+    save_traces_folder: str = option(
+        "profile_traces", "Trace folder under dump_folder: <folder>/iteration_N/rankR_trace.json."
+    )
+    profile_freq: int = option(10, "Profile the last profiler_active steps of every profile_freq steps.")
+    profiler_warmup: int = option(
+        3, "Steps the profiler runs but discards before each recording (its start-up skews the first)."
+    )
+    profiler_active: int = option(1, "Steps recorded per trace.")
+    enable_memory_snapshot: bool = option(
+        False, "CUDA: record allocator history and dump a snapshot every profile_freq steps and on OOM (open it "
+        "at pytorch.org/memory_viz). Other devices: a memory timeline from the profiler instead.",
+    )
+    save_memory_snapshot_folder: str = option(
+        "memory_snapshot", "Memory snapshot folder under dump_folder: <folder>/iteration_N/rankR_*."
+    )
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = option(False, "Save checkpoints (and resume from the newest complete one at start-up).")
+    folder: str = option("checkpoint", "Checkpoint folder under dump_folder; each save is a step-N subfolder.")
+    interval: int = option(500, "Save every this many steps (and at the last step, and on SIGTERM/SIGINT).")
+    keep_latest_k: int = option(
+        0, "Keep only the newest k complete checkpoints, deleting older ones after each save; 0 keeps all."
+    )
+    async_mode: str = option(
+        "disabled", "async: copy the state to CPU memory and write it in a background thread while training "
+        "goes on (the last save and a save on a stop request are always synchronous).",
+        choices=("disabled", "async"),
+    )
+    load_step: int = option(-1, "Step to resume from; -1 = the newest complete checkpoint.")
+    initial_load_path: str | None = option(
+        None, "When the checkpoint folder holds none: start from this step-N folder (DCP) or Hugging Face Llama "
+        "folder (config.json + *.safetensors), e.g. a seed checkpoint or pretrained weights.",
+    )
+    initial_load_model_only: bool = option(
+        True, "From initial_load_path take only the model weights (optimizer, data, step start fresh)."
+    )
+    last_save_model_only: bool = option(
+        False, "At the last step save only the model, in export_dtype (smaller; it cannot resume training)."
+    )
+    last_save_in_hf: bool = option(
+        False, "At the last step also write the model in Hugging Face Llama format to step-N/hf (safetensors + "
+        "config.json, in export_dtype)."
+    )
+    export_dtype: str = option(
+        "float32", "dtype of model-only and Hugging Face saves.", choices=("float32", "bfloat16", "float16")
+    )
+    exclude_from_loading: list[str] = option(
+        [], "Parts of a checkpoint not to restore on resume, from: optimizer, lr_scheduler, dataloader, "
+        "train_state, rng (e.g. ['dataloader'] to restart the data)."
+    )
+    create_seed_checkpoint: bool = option(
+        False, "Initialize the model, save it as step-0 (model only) into an empty checkpoint folder and exit; "
+        "later runs on any layout start from it."
+    )
+
+
+@dataclass
+class DryRun:
+    enable: bool = option(
+        False, "Plan instead of train (also: a bare --dry_run): build one rank of world_size on the meta device "
+        "with a fake process group, trace one step, and print per-rank memory, collectives and a roofline "
+        "step time / tokens/s / MFU; writes dry_run.json to dump_folder. Needs no GPU, allocates nothing.",
+    )
+    world_size: int = option(8, "Number of devices to plan for (the product of the parallel degrees).")
+    rank: int = option(0, "The rank to build; ranks differ by pipeline stage (pp rank 0 holds the most activations).")
+    device: str = option(
+        "h100", "Device for the roofline: h100 (SXM 80GB), h200, a100 (SXM 80GB), or cpu (rates measured here).",
+        choices=("h100", "h200", "a100", "cpu"),
+    )
+    comm_overlap: str = option(
+        "auto", "Whether data-parallel collectives hide behind compute: auto (when [compile] reorders them: "
+        "reorder = true or bucketing = auto), overlapped, or exposed.", choices=("auto", "overlapped", "exposed"),
+    )
+    collective_bandwidth: float = option(
+        0.0, "device = cpu only: the measured gloo all-gather bandwidth in bytes/s (0 = a nominal 1 GB/s)."
+    )
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -189,6 +292,10 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
     metrics: Metrics = field(default_factory=Metrics)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    validation: Validation = field(default_factory=Validation)
+    profiling: Profiling = field(default_factory=Profiling)
+    dry_run: DryRun = field(default_factory=DryRun)
     config_file: str | None = None  # where the TOML came from, for messages
     sources: dict[str, str] = field(default_factory=dict)  # "section.key" -> file or "command line"
 
@@ -369,6 +476,8 @@ def parse_overrides(argv: list[str]) -> tuple[str | None, list[tuple[str, str, s
             config_file = value
             continue
         section, dot, key = name.partition(".")
+        if name == "dry_run":  # the bare flag is short for --dry_run.enable
+            section, dot, key = "dry_run", ".", "enable"
         if not dot:
             raise ConfigError(f"command line: '--{name}' is not a config key; keys look like --section.key.")
         overrides.append((section, key, value))
@@ -434,6 +543,34 @@ def validate(config: JobConfig) -> None:
     _require(not c.manual_bucketed_modules or c.bucketing == "transformer_block", config, "compile",
              "manual_bucketed_modules", "[] unless bucketing = 'transformer_block' (the manual plan)")
     _validate_pipeline(config)
+    _validate_checkpoint(config)
+    _validate_validation_and_profiling(config)
+
+
+def _validate_validation_and_profiling(config: JobConfig) -> None:
+    v, pr = config.validation, config.profiling
+    _require(v.freq > 0, config, "validation", "freq", "a positive number of steps")
+    _require(v.steps == -1 or v.steps > 0, config, "validation", "steps", "-1 (the whole held-out set) or > 0")
+    _require(v.local_batch_size == -1 or v.local_batch_size > 0, config, "validation", "local_batch_size",
+             "-1 (as [training]) or a positive integer")
+    _require(v.seq_len == -1 or 0 < v.seq_len <= config.training.seq_len, config, "validation", "seq_len",
+             f"-1 (as [training]) or 1..[training] seq_len = {config.training.seq_len} (the model's longest)")
+    _require(pr.profiler_active > 0, config, "profiling", "profiler_active", "a positive number of steps")
+    _require(pr.profiler_warmup >= 0, config, "profiling", "profiler_warmup", ">= 0")
+    _require(pr.profile_freq >= pr.profiler_warmup + pr.profiler_active, config, "profiling", "profile_freq",
+             f">= profiler_warmup + profiler_active = {pr.profiler_warmup + pr.profiler_active}")
+
+
+def _validate_checkpoint(config: JobConfig) -> None:
+    ck = config.checkpoint
+    _require(ck.interval > 0, config, "checkpoint", "interval", "a positive number of steps")
+    _require(ck.keep_latest_k >= 0, config, "checkpoint", "keep_latest_k", ">= 0 (0 keeps all)")
+    _require(ck.load_step >= -1, config, "checkpoint", "load_step", "-1 (the newest) or a step >= 0")
+    loadable = ("optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+    _require(all(part in loadable for part in ck.exclude_from_loading), config, "checkpoint", "exclude_from_loading",
+             f"a list of: {', '.join(loadable)}")
+    _require(bool(ck.folder) and not Path(ck.folder).is_absolute(), config, "checkpoint", "folder",
+             "a relative folder name (it lives under [job] dump_folder)")
 
 
 def _validate_pipeline(config: JobConfig) -> None:

@@ -155,20 +155,58 @@ def _trunc_normal_(weight: torch.Tensor, std: float) -> None:
     nn.init.trunc_normal_(weight, mean=0.0, std=std)
 
 
-def _grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def _grouped_query_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Causal attention over ``[batch, heads, seq, head_dim]``; ``k``/``v`` may have fewer heads than ``q``.
+
+    ``mask`` (boolean, ``[q_seq, k_seq]``, True = may attend) replaces the square causal mask when the keys
+    include earlier positions than the queries (decoding with a :class:`KVCache`).
 
     SDPA's ``enable_gqa`` avoids materializing the repeated KV heads, but on CUDA only the flash kernel
     (fp16/bf16) supports it; elsewhere it would fall back to the memory-hungry math kernel. So fp32 on CUDA
     repeats the KV heads explicitly and keeps the memory-efficient kernel available.
     """
+    causal = {"is_causal": True} if mask is None else {"attn_mask": mask}
     n_rep = q.shape[1] // k.shape[1]
     if n_rep == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, **causal)
     if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return F.scaled_dot_product_attention(q, k, v, **causal)
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **causal)
+
+
+class KVCache:
+    """Keys and values of the positions already seen, per layer, so generation feeds only the new tokens.
+
+    Used for sampling only; training passes no cache and runs exactly the code it always ran.
+    ``Transformer.forward(tokens, cache)`` reads the rotary positions from ``position``, each attention
+    layer appends its new keys/values (``update``), and the forward then advances ``position``.
+    Buffers are ``[batch, kv_heads, max_len, head_dim]`` (SDPA's layout), allocated once.
+    """
+
+    def __init__(
+        self, args: ModelArgs, batch_size: int, max_len: int, device: torch.device | str, dtype: torch.dtype
+    ) -> None:
+        shape = (batch_size, args.n_kv_heads, max_len, args.head_dim)
+        self.keys = {str(i): torch.zeros(shape, device=device, dtype=dtype) for i in range(args.n_layers)}
+        self.values = {str(i): torch.zeros(shape, device=device, dtype=dtype) for i in range(args.n_layers)}
+        self.max_len = max_len
+        self.position = 0  # number of positions filled
+
+    def update(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k``/``v`` of the new positions for ``layer``; return the keys/values of all positions."""
+        end = self.position + k.shape[2]
+        self.keys[layer][:, :, self.position : end] = k
+        self.values[layer][:, :, self.position : end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def mask(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """``[seq_len, position + seq_len]``: new query ``i`` (at ``position + i``) sees keys up to itself."""
+        query_positions = torch.arange(self.position, self.position + seq_len, device=device)
+        key_positions = torch.arange(self.position + seq_len, device=device)
+        return key_positions[None, :] <= query_positions[:, None]
 
 
 class Attention(nn.Module):
@@ -182,7 +220,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: KVCache | None = None, layer: str = ""
+    ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         # -1 rather than n_heads: under tensor parallel each projection holds only this rank's heads.
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim)
@@ -190,7 +230,12 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # SDPA wants [batch, heads, seq, head_dim]
-        out = _grouped_query_attention(q, k, v)
+        if cache is None:
+            out = _grouped_query_attention(q, k, v)
+        else:  # attend to the cached positions too
+            mask = cache.mask(seq_len, x.device)
+            k, v = cache.update(layer, k, v)
+            out = _grouped_query_attention(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
     def init_weights(self, out_init_std: float) -> None:
@@ -242,8 +287,14 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.out_init_std = INIT_STD / math.sqrt(2 * depth)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), freqs_cis)
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        # Training passes exactly (x, freqs_cis): tensor parallel's PrepareModuleInput on `attention` expects two
+        # inputs and raises "module inputs and input_layouts should have same length" on four.
+        normed = self.attention_norm(x)
+        if cache is None:
+            h = x + self.attention(normed, freqs_cis)
+        else:
+            h = x + self.attention(normed, freqs_cis, cache, str(self.layer_id))
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -256,9 +307,10 @@ class TransformerBlock(nn.Module):
 class Transformer(nn.Module):
     """Llama 3: token embedding, ``n_layers`` blocks, final RMSNorm and an untied output projection.
 
-    ``forward(tokens[B, T]) -> logits[B, T, vocab]``. A pipeline stage may set ``tok_embeddings`` (then the
-    input is hidden states ``[B, T, dim]``) and/or ``norm`` and ``output`` to ``None`` (then it returns
-    hidden states), and may delete entries of ``layers``.
+    ``forward(tokens[B, T]) -> logits[B, T, vocab]``; with a :class:`KVCache` (generation) the tokens are the
+    ones after the cached positions, and the cache advances by ``T``. A pipeline stage may set
+    ``tok_embeddings`` (then the input is hidden states ``[B, T, dim]``) and/or ``norm`` and ``output`` to
+    ``None`` (then it returns hidden states), and may delete entries of ``layers``.
     """
 
     def __init__(self, args: ModelArgs) -> None:
@@ -296,14 +348,20 @@ class Transformer(nn.Module):
             std = self.args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        seq_len = h.shape[1]
-        if seq_len > self.freqs_cis.shape[0]:
-            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len {self.freqs_cis.shape[0]}")
-        freqs_cis = self.freqs_cis[:seq_len]
+        start = 0 if cache is None else cache.position
+        end = start + h.shape[1]
+        if end > self.freqs_cis.shape[0]:
+            raise ValueError(f"sequence length {end} exceeds max_seq_len {self.freqs_cis.shape[0]}")
+        if cache is not None and end > cache.max_len:
+            raise ValueError(f"sequence length {end} exceeds the KV cache's max_len {cache.max_len}")
+        freqs_cis = self.freqs_cis[start:end]
         for layer in self.layers.values():
-            h = layer(h, freqs_cis)
+            # Training calls layer(h, freqs_cis) exactly as before; the cache is only passed when there is one.
+            h = layer(h, freqs_cis) if cache is None else layer(h, freqs_cis, cache)
+        if cache is not None:
+            cache.position = end
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

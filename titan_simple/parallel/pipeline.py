@@ -255,6 +255,21 @@ class PipelineRun:
             return None
         return torch.stack([loss.detach() for loss in losses]).sum() / loss_scale
 
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        """Forward only (the schedule's ``eval``): the summed loss of one local batch on the rank that holds
+        the last stage, ``None`` elsewhere. Every pp rank calls it with the same batch, under ``no_grad``.
+
+        On every switch between ``step`` and ``eval`` the schedule infers the stages' send/receive shapes again
+        (torch 2.13: a metadata forward through each stage and an exchange between stages), so validating often
+        costs a little more than its batches."""
+        self._loss_scale = 1.0
+        args = (inputs,) if self.has_first_stage else ()
+        losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
+        with self._compile_settings():
+            self.schedule.eval(*args, target=labels if self.has_last_stage else None, losses=losses,
+                               return_outputs=False)
+        return None if losses is None else torch.stack(losses).sum()
+
     def sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` summed over the pp group. With the loss, which only the last stage's rank holds (the
         others pass 0): every pp rank then holds its dp slice's loss, like ranks that share a batch do."""

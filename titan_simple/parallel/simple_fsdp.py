@@ -133,11 +133,16 @@ def _parametrize(module: nn.Module, specs: dict[str, _GatherSpec]) -> None:
 
 
 def _joint_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
-    root = dp_mesh._get_root_mesh()  # private; both meshes must be cut from one named world mesh
-    if root is not tp_mesh._get_root_mesh() or not (dp_mesh.mesh_dim_names and tp_mesh.mesh_dim_names):
+    # private; both meshes must be cut from one named world mesh. Compared by value, not identity: DeviceMesh
+    # caches slices by value, so after a second equal world mesh is built in one process (tests building
+    # several layouts) a slice's root may be the first one.
+    root = dp_mesh._get_root_mesh()
+    if root != tp_mesh._get_root_mesh() or not (dp_mesh.mesh_dim_names and tp_mesh.mesh_dim_names):
         raise ValueError(
             "data_parallel: a DTensor parameter's mesh and the data-parallel mesh must be named slices of "
-            "the same world mesh, e.g. world['dp_shard'] and world['tp']."
+            "the same world mesh, e.g. world['dp_shard'] and world['tp'] "
+            f"(got {dp_mesh.mesh_dim_names} of {root.mesh_dim_names} and {tp_mesh.mesh_dim_names} of "
+            f"{tp_mesh._get_root_mesh().mesh_dim_names})."
         )
     return root[dp_mesh.mesh_dim_names + tp_mesh.mesh_dim_names]
 

@@ -47,6 +47,8 @@ CUDA_NUM_ALLOC_RETRIES = "memory/num_alloc_retries"
 CUDA_NUM_OOMS = "memory/num_ooms"
 PEAK_RSS_GIB = "memory/peak_rss(GiB)"
 PEAK_RSS_SINCE_START_GIB = "memory/peak_rss_since_start(GiB)"
+VALIDATION_LOSS = "validation_metrics/loss"
+VALIDATION_PERPLEXITY = "validation_metrics/perplexity"
 
 GIB = 1024**3
 
@@ -181,6 +183,16 @@ class StepTimer:
     def window_metrics(self, flops_per_token: float, peak_flops: float | None) -> dict[str, float]:
         """Throughput and time metrics of the window since the last call (then a new window starts)."""
         return window_metrics(self.take_window(), flops_per_token, peak_flops)
+
+    @contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Time spent inside (validation, say) is left out of the current window's throughput; the ETA keeps
+        it, as the remaining steps will have their share of it too."""
+        start = self._clock()
+        try:
+            yield
+        finally:
+            self._window_start += self._clock() - start
 
     def eta_seconds(self, total_steps: int) -> float:
         return eta_seconds(self._steps_total, total_steps, self._clock() - self._run_start)
@@ -332,6 +344,10 @@ def _format_console_line(
         parts.append(f"rss {m[PEAK_RSS_GIB]:.2f}GiB")
     elif PEAK_RSS_SINCE_START_GIB in m:
         parts.append(f"rss(max since start) {m[PEAK_RSS_SINCE_START_GIB]:.2f}GiB")
+    if VALIDATION_LOSS in m:
+        parts.append(f"validation loss {m[VALIDATION_LOSS]:.4f}")
+    if VALIDATION_PERPLEXITY in m:
+        parts.append(f"perplexity {m[VALIDATION_PERPLEXITY]:.2f}")
     if DATA_LOADING_PERCENT in m:
         parts.append(f"data {m[DATA_LOADING_PERCENT]:.1f}%")
     if eta is not None and math.isfinite(eta):

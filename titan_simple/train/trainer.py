@@ -24,6 +24,7 @@ from titan_simple.parallel.pipeline import build_pipeline, plan_pipeline
 from titan_simple.parallel.sharded_init import materialize_and_init
 from titan_simple.parallel.simple_fsdp import clip_grad_norm_
 from titan_simple.parallel.tensor_parallel import loss_parallel_context
+from titan_simple.train.checkpoint import CheckpointManager, TrainProgress
 from titan_simple.train.distributed import DistInfo, init_process_group, read_launch_environment
 from titan_simple.train.metrics import (
     MemoryMonitor,
@@ -33,6 +34,8 @@ from titan_simple.train.metrics import (
     peak_flops_per_second,
 )
 from titan_simple.train.optim import build_lr_scheduler, build_optimizer
+from titan_simple.train.profiling import Profiler
+from titan_simple.train.validation import Validator
 
 logger = logging.getLogger("titan_simple")
 
@@ -120,11 +123,26 @@ class Trainer:
             save_tb_folder=config.metrics.save_tb_folder,
         )
         self.memory = MemoryMonitor(self.device)
+        self.validator = Validator(
+            config, tokenizer=self.tokenizer, dp_rank=self.dp_rank, dp_size=self.dp_size, device=self.device,
+            model=self.model, pipeline=self.pipeline, loss_sum_fn=cross_entropy_sum, loss_parallel=self.loss_parallel,
+            autocast=self._autocast,
+        ) if config.validation.enable else None
+        self.profiler = Profiler(config.profiling, config.job.dump_folder, rank=self.dist.rank, device=self.device)
         self.peak_flops = peak_flops_per_second(self.device)
         self.step = 0
         self.losses: list[float] = []  # global average loss of every step, for tests and summaries
         self._stop_requested = False
         self._log_summary()
+        self.tokens_seen = 0
+        self.checkpoint = CheckpointManager(
+            config, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            dataloader=self.dataloader, model_args=self.model_args, dp_rank=self.dp_rank, dp_size=self.dp_size,
+            device=self.device,
+        )
+        resumed = self.checkpoint.load()  # model, optimizer, schedule, data position, RNG: all built by now
+        if resumed is not None:
+            self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
 
     # ------------------------------------------------------------------------------------------ build
 
@@ -223,22 +241,31 @@ class Trainer:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
+    def _progress(self) -> TrainProgress:
+        return TrainProgress(step=self.step, tokens_seen=self.tokens_seen)
+
     def train(self) -> list[float]:
         t, log_freq = self.config.training, self.config.metrics.log_freq
+        if self.config.checkpoint.create_seed_checkpoint:
+            self.checkpoint.save_seed()
+            return []
         previous_handlers = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
         data_iter = iter(self.dataloader)
         timer = StepTimer()
         self.memory.reset_peak()
+        self.profiler.start(first_step=self.step)
         try:
             while self.step < t.steps:
                 self.step += 1
                 with timer.data_loading():
                     batches = [next(data_iter) for _ in range(self.gradient_accumulation_steps)]
-                result = self.train_step(batches)
+                with self.profiler.dump_on_oom(self.step):
+                    result = self.train_step(batches)
                 # Tokens per device: ranks that split one batch (tensor / pipeline parallel) share its tokens.
                 timer.step_done(result["global_tokens"] // self.dist.world_size)
                 avg_loss, max_loss = global_avg_and_max(result["local_mean"])
                 self.losses.append(avg_loss)
+                self.tokens_seen += result["global_tokens"]
                 if self.step == 1 or self.step % log_freq == 0 or self.step == t.steps:
                     metrics = {
                         "loss_metrics/global_avg_loss": avg_loss,
@@ -251,11 +278,19 @@ class Trainer:
                     self.metrics.log(self.step, metrics, total_steps=t.steps,
                                      eta_seconds=timer.eta_seconds(t.steps))
                     self.memory.reset_peak()
+                self.profiler.step(self.step)  # before validation: traces show training steps only
+                if self.validator is not None and self.validator.due(self.step, t.steps):
+                    with timer.excluded():  # not part of the training throughput
+                        self.metrics.log(self.step, self.validator.validate(), total_steps=t.steps)
+                self.checkpoint.save(self._progress(), last=self.step == t.steps)
                 if self._everyone_agrees_to_stop():
+                    self.checkpoint.save(self._progress(), force=True)  # nothing to do if this step just saved
                     logger.warning("stopped at step %d of %d on request", self.step, t.steps)
                     break
+            self.checkpoint.close()  # a background save still running
         finally:
             for s, handler in previous_handlers.items():
                 signal.signal(s, handler)
+            self.profiler.stop()
             self.metrics.close()
         return self.losses

@@ -1,0 +1,83 @@
+"""Dry-run predictions for the published Llama 3 runs, side by side with the published figures.
+
+    python scripts/dry_run_validation.py [--json FILE]      # ~5-10 minutes on 2 CPU cores, one process per run
+
+Each case runs ``train.py --dry_run`` with the overrides that match the published setting as closely as our
+configs allow, and prints a markdown table: predicted vs published memory and tokens/s/GPU, with the error.
+The published figures and their settings are documented in docs/dry_run.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+
+# (name, train.py arguments, published tokens/s/GPU (low, high), published memory GiB (low, high) or None)
+CASES: list[tuple[str, list[str], tuple[float, float] | None, tuple[float, float] | None]] = [
+    ("TorchTitan 8B, 8 H100, FSDP8, lbs 2, selective AC, eager",
+     ["--config", "llama3_8b.toml", "--dry_run.world_size", "8", "--training.local_batch_size", "2",
+      "--compile.enable", "false", "--dry_run.comm_overlap", "overlapped"], (5762, 5762), (77, 82)),
+    ("TorchTitan 8B, 8 H100, FSDP8, lbs 2, selective AC, compiled",
+     ["--config", "llama3_8b.toml", "--dry_run.world_size", "8", "--training.local_batch_size", "2",
+      "--dry_run.comm_overlap", "overlapped"], (6667, 6667), (77, 82)),
+    ("SimpleFSDP 8B, 8 H100, FSDP8, lbs 1, compiled + bucketing/reorder",
+     ["--config", "llama3_8b.toml", "--dry_run.world_size", "8", "--compile.bucketing", "transformer_block",
+      "--compile.reorder", "true"], (7227, 7227), (40.96, 40.96)),
+    ("FSDP2 8B, 8 H100, FSDP8, lbs 1 (SimpleFSDP paper's baseline)",
+     ["--config", "llama3_8b.toml", "--dry_run.world_size", "8", "--dry_run.comm_overlap", "overlapped"],
+     (7380, 7380), (47.82, 47.82)),
+    ("TorchTitan 70B, 256 H100, FSDP32 x TP8 (published with float8; predicted bf16)",
+     ["--config", "llama3_70b.toml", "--dry_run.world_size", "256", "--dry_run.comm_overlap", "overlapped"],
+     (830, 830), None),
+    ("TorchTitan 405B, 512 H100, FSDP8 x TP8 x PP8 (shipped config)",
+     ["--config", "llama3_405b.toml", "--dry_run.world_size", "512"], (100, 128), (72, 82)),
+    ("405B as above, dp comm overlapped",
+     ["--config", "llama3_405b.toml", "--dry_run.world_size", "512", "--dry_run.comm_overlap", "overlapped"],
+     (100, 128), (72, 82)),
+]
+
+
+def run_case(args: list[str]) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        subprocess.run([sys.executable, "train.py", "--dry_run", "--job.dump_folder", folder, *args],
+                       cwd=PROJECT_DIR, check=True, stdout=subprocess.DEVNULL)
+        return json.loads((Path(folder) / "dry_run.json").read_text())
+
+
+def error(predicted: float, low: float, high: float) -> str:
+    if low <= predicted <= high:
+        return "within"
+    target = low if predicted < low else high
+    return f"{100 * (predicted / target - 1):+.0f}%"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    results = []
+    print("| case | peak GiB predicted | published | error | tokens/s/GPU predicted | published | error | MFU |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, case_args, tps, mem in CASES:
+        r = run_case(case_args)
+        results.append({"case": name, "args": case_args, "report": r})
+        peak = r["memory_bytes"]["peak"] / 2**30
+        t = r["tokens_per_second_per_gpu"]
+        mem_pub = "-" if mem is None else (f"{mem[0]:g}" if mem[0] == mem[1] else f"{mem[0]:g}-{mem[1]:g}")
+        mem_err = "-" if mem is None else error(peak, *mem)
+        tps_pub = f"{tps[0]:,.0f}" if tps[0] == tps[1] else f"{tps[0]:,.0f}-{tps[1]:,.0f}"
+        print(f"| {name} | {peak:.1f} | {mem_pub} | {mem_err} | {t:,.0f} | {tps_pub} | {error(t, *tps)} | "
+              f"{100 * r['mfu']:.1f}% |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""The dry run: one fake rank of a real world size, meta tensors, per-rank memory / collectives / step time.
+
+Each dry run goes through ``train.py`` in its own process (the user's command, and DTensor allows one fake
+world per process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from titan_simple.models.llama3 import LLAMA3_FLAVORS, Transformer, count_parameters
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+
+
+def dry_run(tmp_path: Path, *args: str, timeout: int = 600) -> tuple[subprocess.CompletedProcess, dict | None]:
+    folder = tmp_path / "dump"
+    proc = subprocess.run(
+        [sys.executable, "train.py", "--dry_run", "--job.dump_folder", str(folder), *args],
+        cwd=PROJECT_DIR, capture_output=True, text=True, timeout=timeout,
+    )
+    path = folder / "dry_run.json"
+    return proc, json.loads(path.read_text()) if path.exists() else None
+
+
+def test_private_apis_of_the_dry_run_exist():
+    """The dry run's two private APIs: the fake process group (torch.testing._internal.distributed.fake_pg)
+    and DTensor's shape propagation, which the tracer must not count. If a torch upgrade moves either, this
+    fails here, not in a user's dry run."""
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
+
+    import titan_simple.planning.trace  # noqa: F401 -- resolves the aten / _c10d_functional op names it prices
+
+    assert callable(ShardingPropagator._propagate_tensor_meta_non_cached)
+
+    from titan_simple.planning.fake_pg import init_fake_process_group
+
+    init_fake_process_group(rank=5, world_size=512)
+    try:
+        assert dist.get_backend() == "fake"
+        assert (dist.get_rank(), dist.get_world_size()) == (5, 512)
+        import torch
+
+        t = torch.ones(4)
+        dist.all_reduce(t)  # returns at once, moves nothing
+    finally:
+        dist.destroy_process_group()
+
+
+def test_8b_fsdp8_parameter_memory_is_exactly_a_shard(tmp_path):
+    proc, report = dry_run(tmp_path, "--config", "llama3_8b.toml", "--dry_run.world_size", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with __import__("torch").device("meta"):
+        n_params = count_parameters(Transformer(LLAMA3_FLAVORS["8B"]))
+    memory = report["memory_bytes"]
+    assert memory["parameters"] == n_params * 4 // 8  # fp32 master weights, every tensor divides by 8
+    assert memory["gradients"] == memory["parameters"]
+    assert memory["optimizer_state"] >= 2 * memory["parameters"]  # AdamW: exp_avg + exp_avg_sq (+ step)
+    assert report["fits"] and memory["peak"] < memory["device"]
+    kinds = {(c["mesh_dim"], c["kind"], c["dtype"]): c["count"] for c in report["collectives_per_step"]}
+    # SimpleFSDP, reshard after forward: every parameter gathered in forward and again in backward (bf16),
+    # its gradient reduce-scattered once (fp32); 32 blocks x 9 + embedding + norm + output = 291 parameters.
+    assert kinds == {("dp_shard", "all_gather", "bfloat16"): 2 * 291, ("dp_shard", "reduce_scatter", "float32"): 291}
+    assert "tokens/s/GPU" in proc.stdout and 0 < report["mfu"] < 1
+
+
+@pytest.mark.slow
+def test_collective_counts_match_a_real_two_process_run(tmp_path):
+    """The fake-rank trace issues exactly the collectives a real 2-process gloo step issues."""
+    from titan_simple.planning.measure import measure
+
+    argv = ["--config", "llama3_debug.toml", "--training.seq_len", "32", "--training.local_batch_size", "2",
+            "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1"]
+    measured = measure(2, argv, steps=1, port=29000 + os.getpid() % 1000)
+    proc, report = dry_run(tmp_path, *argv, "--dry_run.world_size", "2", "--dry_run.device", "cpu")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    predicted = Counter()
+    for c in report["collectives_per_step"]:
+        predicted[f"{c['kind']}/{c['dtype']}"] += c["count"]
+    assert dict(predicted) == measured["collective_counts"]
+
+
+def test_405b_on_512_ranks_completes_and_fits(tmp_path):  # ~8 s on a quiet machine (a pp rank: 1/8 of the layers)
+    proc, report = dry_run(tmp_path, "--config", "llama3_405b.toml", "--dry_run.world_size", "512", timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert report["mesh"] == "pp8 x dp_shard8 x tp8"
+    assert report["pipeline"]["local_stages"] == [0, 8]
+    assert report["tokens_per_second_per_gpu"] > 0
+    dims = {c["mesh_dim"] for c in report["collectives_per_step"]}
+    assert dims == {"dp_shard", "tp", "pp"}
+
+
+def test_world_size_that_does_not_match_the_degrees_is_one_error_line(tmp_path):
+    proc, report = dry_run(tmp_path, "--config", "llama3_70b.toml", "--dry_run.world_size", "100", timeout=120)
+    assert proc.returncode == 2 and report is None
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: [dry_run] world_size = 100"), proc.stderr
+
+
+@pytest.mark.slow
+def test_a_config_that_does_not_fit_names_the_largest_contributor(tmp_path):
+    proc, report = dry_run(tmp_path, "--config", "llama3_8b.toml", "--dry_run.world_size", "8",
+                           "--training.local_batch_size", "4")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not report["fits"] and report["memory_bytes"]["peak"] > report["memory_bytes"]["device"]
+    assert report["largest_contributor"] == "activations"
+    assert "mode = full" in report["suggestion"]  # the config already uses selective AC
+    assert "DOES NOT FIT" in proc.stdout and "largest contributor: activations" in proc.stdout

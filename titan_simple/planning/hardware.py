@@ -1,0 +1,88 @@
+"""Accelerator and interconnect figures the dry run's roofline uses, and how to measure them on this CPU.
+
+Peaks are vendor datasheet figures (dense, no sparsity). The ``*_efficiency`` factors are the fraction of a
+peak that real kernels reach: they are set once here, a priori from public kernel benchmarks, and the
+comparison with published runs in ``docs/dry_run.md`` states how far that gets us (they are NOT fitted to the
+runs we compare against). ``GiB`` figures are the usable capacity ``nvidia-smi`` reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from titan_simple.train.metrics import PEAK_BF16_TFLOPS
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    name: str
+    peak_flops: float  # dense matmul FLOP/s in the compute dtype (bf16 on GPUs, fp32 on the CPU)
+    memory_bandwidth: float  # HBM (or DRAM) bytes/s
+    memory_bytes: float  # capacity of one device
+    intra_node_bandwidth: float  # bytes/s per direction per device (NVLink; shared memory for CPU processes)
+    inter_node_bandwidth: float  # bytes/s per device across nodes (InfiniBand / RoCE NIC per GPU)
+    gpus_per_node: int = 8
+    # Fractions of the peaks real kernels reach (see the module docstring).
+    matmul_efficiency: float = 0.70  # large bf16 GEMMs (cuBLAS on H100: ~650-750 of 989 TFLOP/s)
+    attention_efficiency: float = 0.45  # FlashAttention-2 forward+backward on H100 (~350-450 TFLOP/s fwd)
+    memory_efficiency: float = 0.80  # elementwise kernels vs HBM peak
+    collective_efficiency: float = 0.80  # NCCL bus bandwidth vs link peak
+    collective_latency: float = 20e-6  # seconds per collective call (launch + ring latency)
+    kernel_overhead: float = 5e-6  # seconds per eager kernel launch that GPU work cannot hide
+
+
+DEVICES: dict[str, DeviceSpec] = {
+    # H100 SXM5 80GB: 989 TFLOP/s bf16, 3.35 TB/s HBM3, NVLink 4 900 GB/s total = 450 GB/s per direction,
+    # one 400 Gb/s NIC per GPU = 50 GB/s.
+    "h100": DeviceSpec("H100 SXM 80GB", PEAK_BF16_TFLOPS["H100 SXM"] * 1e12, 3.35e12, 79.6 * GIB, 450e9, 50e9),
+    # H200 SXM 141GB: the H100's compute with 4.8 TB/s HBM3e.
+    "h200": DeviceSpec("H200 SXM 141GB", PEAK_BF16_TFLOPS["H200"] * 1e12, 4.8e12, 140.4 * GIB, 450e9, 50e9),
+    # A100 SXM4 80GB: 312 TFLOP/s bf16, 2.04 TB/s HBM2e, NVLink 3 600 GB/s total, 200 Gb/s NIC per GPU.
+    "a100": DeviceSpec("A100 SXM 80GB", PEAK_BF16_TFLOPS["A100"] * 1e12, 2.039e12, 80.0 * GIB, 300e9, 25e9,
+                       matmul_efficiency=0.75, attention_efficiency=0.50),
+}
+DEVICE_NAMES = (*DEVICES, "cpu")
+
+
+def measure_cpu(world_size: int, collective_bandwidth: float | None = None) -> DeviceSpec:
+    """This CPU as a "device": matmul rate and copy bandwidth measured here (one process, with the thread
+    count each of ``world_size`` processes sharing the cores gets), gloo bandwidth as given (bytes/s,
+    measured by ``scripts/dry_run_cpu_check.py``) or a nominal 1 GB/s. Efficiencies are 1: the rates are
+    measured, not peaks. Memory capacity: the host's RAM."""
+    threads = max(1, (os.cpu_count() or 1) // max(world_size, 1))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a = torch.randn(512, 512)
+        torch.mm(a, a)
+        reps = 20
+        start = time.perf_counter()
+        for _ in range(reps):
+            torch.mm(a, a)
+        flops = 2 * 512**3 * reps / (time.perf_counter() - start)
+        b = torch.randn(1 << 22)
+        b.clone()
+        start = time.perf_counter()
+        for _ in range(10):
+            b.clone()
+        bandwidth = 2 * b.numel() * 4 * 10 / (time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    link = collective_bandwidth or 1e9
+    return DeviceSpec(f"CPU ({threads} threads/process, measured)", flops, bandwidth, float(memory), link, link,
+                      gpus_per_node=1 << 20, matmul_efficiency=1.0, attention_efficiency=1.0,
+                      memory_efficiency=1.0, collective_efficiency=1.0, collective_latency=100e-6,
+                      kernel_overhead=10e-6)
+
+
+def device_spec(name: str, world_size: int = 1, **overrides: float) -> DeviceSpec:
+    spec = measure_cpu(world_size, overrides.pop("collective_bandwidth", None)) if name == "cpu" else DEVICES[name]
+    return dataclasses.replace(spec, **overrides) if overrides else spec

@@ -1,0 +1,229 @@
+"""Trace one training step of one rank on the meta device: live tensor memory, the cost of every op, and
+every collective, as the real code issues them.
+
+The model is parallelized by the real recipe on a fake process group (``fake_pg``), so its parameters are
+DTensors on the meta device with this rank's local shapes. Running forward, backward and the optimizer step
+on them executes every op of the step (DTensor redistributions, the c10d functional collectives SimpleFSDP
+and tensor parallel issue, activation-checkpoint recomputation in backward, foreach AdamW) without
+allocating or computing anything. ``StepTracer`` is a ``TorchDispatchMode`` that sits *under* DTensor (it
+returns ``NotImplemented`` for DTensor arguments, so DTensor unwraps and its local ops come back through the
+mode) and records:
+
+* **memory**: the bytes of the distinct tensor storages alive (each counted once however many views share it;
+  a weakref finalizer on the storage subtracts it when freed), sampled after every op, with per-phase peaks;
+* **ops**: for every op that does work, its FLOPs (``torch.utils.flop_counter``'s formulas) and the bytes it
+  reads and writes, and whether it is a matmul, attention or memory-bound op; views and metadata ops are free;
+* **collectives**: kind, process group, payload bytes and dtype of every ``_c10d_functional`` collective.
+
+DTensor learns each output's global shape by running the op on fake tensors of the *global* shape
+(``ShardingPropagator._propagate_tensor_meta_non_cached``). In a real step those are free metadata; here every
+tensor is a meta tensor, so the tracer is paused inside that method (``ignoring_shape_propagation``, the
+dry run's second private API, guarded by a test): counting them put a 31 GiB phantom ``[tokens, vocab]``
+tensor into the 70B peak.
+
+Attention: on the meta device ``F.scaled_dot_product_attention`` picks the math kernel, which materializes the
+``seq x seq`` score matrix that a fused kernel never does. ``fused_attention()`` makes the model call the fused
+CPU flash kernel instead (``_scaled_dot_product_flash_attention_for_cpu``: the same signature and saved
+tensors -- q, k, v, output, logsumexp -- as the GPU flash kernel, and GQA without repeating KV heads), which
+is also what the model runs on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._sharding_prop import ShardingPropagator  # private: see ignoring_shape_propagation
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
+
+from titan_simple.models import llama3
+
+_aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
+COLLECTIVE_KINDS = {
+    _c10d.all_gather_into_tensor.default: "all_gather",
+    _c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    _c10d.all_reduce.default: "all_reduce",
+    _c10d.all_to_all_single.default: "all_to_all",
+}
+_GROUP_ARG = {"all_gather": 2, "reduce_scatter": 3, "all_reduce": 2, "all_to_all": 3}
+_MATMUL = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default}
+_ATTENTION_FORWARD = _aten._scaled_dot_product_flash_attention_for_cpu.default
+_ATTENTION_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+# Ops that allocate or move no data worth pricing (metadata, aliasing, allocation without a fill).
+_FREE = {
+    _aten.detach.default, _aten.empty.memory_format, _aten.empty_like.default, _aten.new_empty.default,
+    _aten.empty_strided.default, _aten.new_empty_strided.default, _aten.lift_fresh.default,
+    _aten.scalar_tensor.default, _aten._local_scalar_dense.default, _c10d.wait_tensor.default,
+    _c10d._wrap_tensor_autograd.default,
+}
+
+
+def _is_view(func) -> bool:
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
+
+
+@dataclass
+class OpCost:
+    category: str  # "matmul" | "attention" | "memory"
+    flops: float  # work the hardware does (causal attention: the unmasked half)
+    nbytes: int  # bytes read + written
+    phase: str
+
+
+@dataclass
+class Collective:
+    kind: str
+    group: str  # c10d group name; the dry run maps it to a mesh dimension
+    nbytes: int  # all_gather: the gathered output; reduce_scatter / all_reduce: the input
+    dtype: str
+    phase: str
+
+
+@dataclass(eq=False)
+class StepTracer(TorchDispatchMode):
+    """See the module docstring. ``phase`` names the part of the step that costs and peaks belong to."""
+
+    phase: str = "start"
+    live: int = 0
+    peak: int = 0
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+    peak_at: str = ""  # the op (and phase) after which the live total peaked
+    # Measuring a real step (tensors on a real device): meta tensors are then metadata, never memory.
+    ignore_meta_tensors: bool = False
+    ops: list[OpCost] = field(default_factory=list)
+    collectives: list[Collective] = field(default_factory=list)
+    _sizes: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__init__()
+
+    # ------------------------------------------------------------------------------------ memory
+
+    def track(self, t: torch.Tensor) -> None:
+        """Count ``t``'s storage as alive (once) until it is freed."""
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return
+        if self.ignore_meta_tensors and t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self._sizes:
+            return
+        nbytes = storage.nbytes()
+        self._sizes[key] = nbytes
+        self.live += nbytes
+        weakref.finalize(storage, self._forget, key)
+
+    def _forget(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+    def sample(self, op: str = "") -> None:
+        if self.live > self.peak:
+            self.peak, self.peak_at = self.live, f"{self.phase}: {op}"
+        self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.live)
+
+    def set_phase(self, name: str) -> None:
+        self.phase = name
+        self.sample()
+
+    def reset_peaks(self) -> None:
+        self.peak = self.live
+        self.phase_peaks = {}
+
+    # ------------------------------------------------------------------------------------ dispatch
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # DTensor unwraps; its local ops come back through this mode
+        kwargs = kwargs or {}
+        if _PROPAGATING[0] or any(issubclass(t, FakeTensor) for t in types):
+            return func(*args, **kwargs)  # DTensor's shape propagation: no real step runs these
+        out = func(*args, **kwargs)
+        tensors_in = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        tensors_out = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        for t in tensors_in + tensors_out:
+            self.track(t)
+        self.sample(str(func))
+        self._record(func, args, kwargs, out, tensors_in, tensors_out)
+        return out
+
+    def _record(self, func, args, kwargs, out, tensors_in, tensors_out) -> None:
+        kind = COLLECTIVE_KINDS.get(func)
+        if kind is not None:
+            payload = tensors_out[0] if kind == "all_gather" else tensors_in[0]
+            self.collectives.append(Collective(kind, str(args[_GROUP_ARG[kind]]), _nbytes(payload),
+                                               str(payload.dtype).removeprefix("torch."), self.phase))
+            return
+        if func in _FREE or _is_view(func):
+            return
+        nbytes = sum(_nbytes(t) for t in {id(t): t for t in tensors_in + tensors_out}.values())
+        if func is _ATTENTION_FORWARD or func is _ATTENTION_BACKWARD:
+            q, k = args[0], args[1]
+            if func is _ATTENTION_BACKWARD:  # (grad_out, query, key, ...)
+                q, k = args[1], args[2]
+            batch, heads, sq, dh = q.shape
+            flops = 4.0 * batch * heads * sq * k.shape[2] * dh  # Q K^T and P V, 2 FLOPs per multiply-add
+            flops *= 0.5  # causal: fused kernels skip the masked half
+            if func is _ATTENTION_BACKWARD:
+                flops *= 2.5  # FlashAttention-2 backward: 5 matmuls (S recomputed, dP, dV, dQ, dK) vs 2
+            self.ops.append(OpCost("attention", flops, nbytes, self.phase))
+            return
+        if func in _MATMUL:
+            formula = flop_registry[func.overloadpacket]
+            flops = float(formula(*args, **kwargs, out_val=out))
+            self.ops.append(OpCost("matmul", flops, nbytes, self.phase))
+            return
+        self.ops.append(OpCost("memory", 0.0, nbytes, self.phase))
+
+
+_PROPAGATING = [0]  # > 0 while DTensor propagates shapes (see ignoring_shape_propagation)
+
+
+@contextlib.contextmanager
+def ignoring_shape_propagation() -> Iterator[None]:
+    """Inside, ops DTensor runs only to learn output shapes are invisible to ``StepTracer``."""
+    original = ShardingPropagator._propagate_tensor_meta_non_cached
+
+    def propagate(self, op_schema):
+        _PROPAGATING[0] += 1
+        try:
+            return original(self, op_schema)
+        finally:
+            _PROPAGATING[0] -= 1
+
+    ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+    try:
+        yield
+    finally:
+        ShardingPropagator._propagate_tensor_meta_non_cached = original
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@contextlib.contextmanager
+def fused_attention() -> Iterator[None]:
+    """Inside, the Llama 3 attention runs the fused flash kernel (see the module docstring)."""
+    original = llama3._grouped_query_attention
+
+    def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
+        if mask is not None:  # decoding with a KV cache: not a training step, keep the model's own path
+            return original(q, k, v, mask)
+        return _ATTENTION_FORWARD(q, k, v, dropout_p=0.0, is_causal=True)[0]
+
+    llama3._grouped_query_attention = flash_attention
+    try:
+        yield
+    finally:
+        llama3._grouped_query_attention = original

@@ -1,0 +1,645 @@
+"""Checkpoints on torch.distributed.checkpoint (DCP): exact resume, any layout, atomic saves, HF weights.
+
+On disk, under ``<job.dump_folder>/<checkpoint.folder>/``::
+
+    step-8/               complete: DCP files (.metadata, __<rank>_0.distcp) and complete.json
+    step-12.partial/      a save in progress, or one that never finished: ignored (with a warning)
+
+Every rank writes its own shards into ``step-N.partial``; only after DCP has gathered every rank's result
+(the coordinator writes ``.metadata`` last) does rank 0 write ``complete.json`` and rename the folder to
+``step-N``. So a ``step-N`` folder with ``complete.json`` is whole, whatever was killed when.
+
+The DCP state dict (nested keys are flattened by DCP: ``model.layers.0.attention.wq.weight``)::
+
+    model         the model's own parameter names; sharded DTensors are written shard by shard, no gather
+    optimizer     per-parameter state with flattened names, so it reshards like the model (PP included)
+    lr_scheduler  the LambdaLR state
+    dataloader    {"dp_rank_<i>": loader state} of every data-parallel rank
+    train_state   step, tokens_seen, and the dp size / world size it was saved with
+    rng           {"rank_<r>": RNG states} of every rank
+
+DCP reshards DTensors on load, so a checkpoint saved on one layout loads on any other. The per-rank
+states cannot be resharded: RNG states are restored only on the same world size, and the data position
+of a different data-parallel size is approximated by skipping ``tokens_seen / dp`` tokens per rank (see
+``_fast_forward_data``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import pickle
+import re
+import shutil
+import time
+import warnings
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from titan_simple.errors import ConfigError
+from titan_simple.models.hf_llama import is_hf_folder, load_hf, save_hf
+from titan_simple.models.llama3 import ModelArgs, Transformer
+from titan_simple.parallel.simple_fsdp import sharded_parameters
+
+logger = logging.getLogger("titan_simple")
+
+MARKER = "complete.json"
+PARTIAL_SUFFIX = ".partial"
+STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_STEP_FOLDER = re.compile(r"^step-(\d+)$")
+_OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+@dataclass
+class TrainProgress:
+    """What the trainer counts and a checkpoint restores besides the stateful objects."""
+
+    step: int = 0
+    tokens_seen: int = 0
+
+
+# ------------------------------------------------------------------------------------------ folders
+
+
+def step_folder(folder: str | Path, step: int) -> Path:
+    return Path(folder) / f"step-{step}"
+
+
+def complete_steps(folder: str | Path, warn: bool = False) -> list[int]:
+    """Steps with a complete checkpoint in ``folder``, ascending. ``warn`` logs every partial one."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    steps = []
+    for entry in sorted(folder.iterdir()):
+        match = _STEP_FOLDER.match(entry.name)
+        if match and (entry / MARKER).is_file():
+            steps.append(int(match.group(1)))
+        elif warn and entry.is_dir() and (match or entry.name.endswith(PARTIAL_SUFFIX)):
+            logger.warning("checkpoint: ignoring %s, a save that did not finish (no %s)", entry, MARKER)
+    return sorted(steps)
+
+
+def find_checkpoint(folder: str | Path, step: int = -1) -> Path | None:
+    """The complete checkpoint of ``step`` (-1: the newest) in ``folder``; None if there is none at all.
+
+    A requested step that is missing or incomplete raises ConfigError listing the complete ones.
+    """
+    steps = complete_steps(folder, warn=True)
+    if step < 0:
+        return step_folder(folder, steps[-1]) if steps else None
+    if step not in steps:
+        available = ", ".join(map(str, steps)) or "none"
+        raise ConfigError(f"[checkpoint] load_step = {step}: no complete checkpoint {step_folder(folder, step)} "
+                          f"(complete steps in {folder}: {available}).")
+    return step_folder(folder, step)
+
+
+def read_marker(path: str | Path) -> dict[str, Any]:
+    """The ``complete.json`` of a step folder ({} when absent, e.g. a DCP folder written elsewhere)."""
+    marker = Path(path) / MARKER
+    try:
+        return json.loads(marker.read_text()) if marker.is_file() else {}
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"checkpoint {path}: {MARKER} is unreadable ({e}); the checkpoint is corrupt.") from None
+
+
+def _read_metadata(path: Path) -> Metadata:
+    if not (path / ".metadata").is_file():
+        raise ConfigError(f"checkpoint {path} is not a DCP checkpoint (no .metadata file); point at a step-N "
+                          "folder or a Hugging Face folder (config.json + *.safetensors).")
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # unpickling a truncated file raises anything from EOFError to UnpicklingError
+        raise ConfigError(f"checkpoint {path}: .metadata is unreadable ({type(e).__name__}: {e}); "
+                          "the checkpoint is corrupt.") from None
+
+
+def _check_model_shapes(metadata: Metadata, expected: dict[str, torch.Size], path: Path) -> None:
+    """ConfigError unless the checkpoint's "model" entries are exactly ``expected`` (names and shapes)."""
+    saved = {
+        key.removeprefix("model."): item.size for key, item in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
+    }
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    mismatched = [f"{k} {list(saved[k])} vs model {list(expected[k])}" for k in sorted(set(saved) & set(expected))
+                  if tuple(saved[k]) != tuple(expected[k])]
+    problems = []
+    for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
+        if items:
+            problems.append(f"{len(items)} {label} ({', '.join(items[:3])}{', ...' if len(items) > 3 else ''})")
+    if problems:
+        raise ConfigError(f"checkpoint {path} does not match the model: {'; '.join(problems)}; "
+                          "check [model] flavor against the run that wrote it.")
+
+
+def _first_failure(error: BaseException) -> str:
+    """One line from a DCP CheckpointException (which lists every rank's traceback) or any exception."""
+    where = ""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (error, _trace) = min(error.failures.items(), key=lambda item: item[0])
+        where = f"rank {rank}: "
+    text = str(error).splitlines()[0] if str(error) else "the file ends early"
+    return f"{where}{type(error).__name__}: {text}"
+
+
+@contextlib.contextmanager
+def _single_process_is_fine() -> Iterator[None]:
+    """DCP warns on every call without a process group; one process is a layout we support on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _pack(obj: Any) -> bytes:
+    # Pickled by us so DCP stores one opaque blob instead of flattening lists of token ids into keys.
+    return pickle.dumps(obj)
+
+
+def _unpack(blob: Any) -> Any:
+    return pickle.loads(blob)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _merged_view(model_parts: list[nn.Module]) -> nn.Module:
+    """One module whose parameter names are the full model's, over all of this rank's pipeline stages.
+
+    The stages keep full-model names (``layers.3...``), so merging their children (and the ``layers``
+    ModuleDicts) gives the names a single model would have; the optimizer state is keyed by them.
+    """
+    if len(model_parts) == 1:
+        return model_parts[0]
+    view = nn.Module()
+    for part in model_parts:
+        for name, child in part.named_children():
+            if isinstance(child, nn.ModuleDict) and isinstance(view._modules.get(name), nn.ModuleDict):
+                view._modules[name].update(child)
+            elif name in view._modules:
+                raise ValueError(f"pipeline stages both own module '{name}'")
+            else:
+                view._modules[name] = nn.ModuleDict(child) if isinstance(child, nn.ModuleDict) else child
+    return view
+
+
+# ------------------------------------------------------------------------------------ plain models
+
+
+def load_model_weights(checkpoint_dir: str, model: nn.Module) -> None:
+    """Load the model weights of a checkpoint into a plain (unsharded) ``model``, in one process.
+
+    ``checkpoint_dir``: a ``step-N`` folder, a checkpoint folder (its newest complete step is used), or a
+    Hugging Face Llama folder (``model`` must then be our ``Transformer``). Works with or without a process
+    group; the weights are resharded from whatever layout saved them. Raises ConfigError on a missing,
+    partial, corrupt or mismatched checkpoint.
+    """
+    path = Path(checkpoint_dir)
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint {path} does not exist.")
+    if is_hf_folder(path):
+        _copy_hf_weights(path, model)
+        return
+    if not (path / ".metadata").is_file() and complete_steps(path):
+        path = find_checkpoint(path)
+    elif path.name.endswith(PARTIAL_SUFFIX) or (_STEP_FOLDER.match(path.name) and not (path / MARKER).is_file()):
+        raise ConfigError(f"checkpoint {path} is partial (its save did not finish); use a complete step folder.")
+    metadata = _read_metadata(path)
+    state_dict = model.state_dict()
+    _check_model_shapes(metadata, {k: v.shape for k, v in state_dict.items()}, path)
+    try:
+        with _single_process_is_fine():
+            dcp.load({"model": state_dict}, checkpoint_id=str(path), no_dist=True)
+    except (CheckpointException, Exception) as e:  # noqa: B014 -- CheckpointException is a BaseException
+        raise ConfigError(f"checkpoint {path} cannot be read ({_first_failure(e)}); it is corrupt or "
+                          "truncated.") from None
+    model.load_state_dict(state_dict)  # no-op for in-place loads; makes copies (other dtypes) stick
+
+
+def model_args_of(checkpoint_dir: str | Path) -> ModelArgs | None:
+    """The model shape a step folder was saved with (from its complete.json), if recorded."""
+    args = read_marker(checkpoint_dir).get("model_args")
+    return ModelArgs(**args) if args else None
+
+
+def export_hf(checkpoint_dir: str | Path, output_dir: str | Path, dtype: torch.dtype = torch.float32,
+              args: ModelArgs | None = None) -> Path:
+    """Write the model of a DCP step folder as a Hugging Face Llama folder (one process, full weights)."""
+    args = args or model_args_of(checkpoint_dir)
+    if args is None:
+        raise ConfigError(f"checkpoint {checkpoint_dir} records no model shape; pass the flavor explicitly.")
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    load_model_weights(str(checkpoint_dir), model)
+    return save_hf(model.state_dict(), args, output_dir, dtype=dtype)
+
+
+def _copy_hf_weights(folder: Path, model: nn.Module, args: ModelArgs | None = None) -> None:
+    """Copy Hugging Face weights into ``model``, plain or sharded (each rank keeps its slice of each)."""
+    args = args or getattr(model, "args", None)
+    if args is None:
+        raise ConfigError(f"Hugging Face weights {folder} can only be loaded into a Llama Transformer.")
+    with torch.no_grad(), sharded_parameters():
+        params = dict(model.named_parameters())
+        loaded = set()
+        for name, full in load_hf(folder, args):
+            if name not in params:  # another pipeline stage's weight
+                continue
+            param = params[name]
+            if tuple(full.shape) != tuple(param.shape):
+                raise ConfigError(f"Hugging Face weights {folder}: {name} has shape {list(full.shape)}, the model "
+                                  f"{list(param.shape)}.")
+            full = full.to(device=param.device, dtype=param.dtype)
+            if isinstance(param, DTensor):
+                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(local.to_local())
+            else:
+                param.copy_(full)
+            loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ConfigError(f"Hugging Face weights {folder} lack {len(missing)} weights ({', '.join(missing[:3])}).")
+
+
+# ------------------------------------------------------------------------------------ the manager
+
+
+@dataclass
+class _PendingSave:
+    future: Future
+    partial: Path
+    step: int
+    model_only: bool
+    started: float
+
+
+class CheckpointManager:
+    """Loads at start-up and saves every ``[checkpoint] interval`` steps, for one rank.
+
+    ``load()`` once after everything is built; ``save(progress)`` after every step (it decides whether
+    this step saves); ``close()`` at the end waits for an asynchronous save. Every rank calls each of them.
+    """
+
+    def __init__(
+        self,
+        config: Any,  # JobConfig (not imported: config.py imports nothing from train/)
+        *,
+        model_parts: list[nn.Module],
+        optimizer: torch.optim.Optimizer,
+        lr_scheduler: Any,
+        dataloader: Any,
+        model_args: ModelArgs,
+        dp_rank: int,
+        dp_size: int,
+        device: torch.device,
+    ) -> None:
+        self.config = config.checkpoint
+        self.folder = Path(config.job.dump_folder) / self.config.folder
+        self.tokens_per_sample = config.training.seq_len
+        self.local_batch_size = config.training.local_batch_size
+        self.model = _merged_view(model_parts)
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.dataloader = dataloader
+        self.model_args = model_args
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.device = device
+        self.export_dtype = EXPORT_DTYPES[self.config.export_dtype]
+        self._pending: _PendingSave | None = None
+        self._last_saved_step = -1
+        # Async saves run their collectives in a background thread: on a group of their own, or they would
+        # interleave with the training step's collectives on the default group.
+        self._async_group = (
+            dist.new_group(backend="gloo") if self.config.async_mode == "async" and dist.is_initialized() else None
+        )
+
+    # -------------------------------------------------------------------------------------- load
+
+    def load(self) -> TrainProgress | None:
+        """Restore the newest complete checkpoint (or ``load_step``), else ``initial_load_path``.
+
+        Returns the progress to continue from, or None for a fresh start (weights from
+        ``initial_load_path`` count as a fresh start unless it is loaded whole).
+        """
+        c = self.config
+        if c.create_seed_checkpoint:
+            if complete_steps(self.folder):
+                raise ConfigError(f"[checkpoint] create_seed_checkpoint: {self.folder} already holds checkpoints; "
+                                  "use an empty folder.")
+            return None
+        path = find_checkpoint(self.folder, c.load_step) if c.enable else None
+        if path is not None:
+            return self._load_dcp(path, model_only=False)
+        if c.load_step >= 0:
+            raise ConfigError(f"[checkpoint] load_step = {c.load_step} needs [checkpoint] enable = true.")
+        if not c.initial_load_path:
+            if c.enable:
+                logger.info("checkpoint: none in %s, starting from scratch", self.folder)
+            return None
+        initial = Path(c.initial_load_path)
+        if is_hf_folder(initial):
+            _copy_hf_weights(initial, self.model, self.model_args)
+            logger.info("checkpoint: loaded Hugging Face weights from %s (step 0)", initial)
+            return None
+        progress = self._load_dcp(initial, model_only=c.initial_load_model_only)
+        return None if c.initial_load_model_only else progress
+
+    def _expected_model_shapes(self) -> dict[str, torch.Size]:
+        with torch.device("meta"):
+            full_model = Transformer(self.model_args)
+        return {k: v.shape for k, v in full_model.state_dict().items()}
+
+    def _load_dcp(self, path: Path, model_only: bool) -> TrainProgress:
+        if not path.is_dir():
+            raise ConfigError(f"[checkpoint] initial_load_path {path} does not exist.")
+        started = time.perf_counter()
+        metadata = _read_metadata(path)
+        _check_model_shapes(metadata, self._expected_model_shapes(), path)
+        present = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+        wanted = {"model"} if model_only else set(STATE_KEYS) - set(self.config.exclude_from_loading)
+        skipped = sorted(wanted - present - {"model"})
+        if skipped and not model_only:
+            logger.warning("checkpoint: %s holds no %s (a model-only checkpoint?): they start fresh",
+                           path, ", ".join(skipped))
+        wanted &= present
+
+        saved = {"step": 0, "tokens_seen": 0, "dp_size": self.dp_size, "world_size": self.world_size}
+        if "train_state" in present:  # tiny: read first, it decides what else to ask for
+            train_state = {"train_state": dict.fromkeys(saved, 0)}
+            self._dcp_load(train_state, path)
+            saved = train_state["train_state"]
+
+        state: dict[str, Any] = {}
+        with sharded_parameters():
+            state["model"] = get_model_state_dict(self.model)
+            if "optimizer" in wanted:
+                state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIMIZER_OPTIONS)
+        if "lr_scheduler" in wanted:
+            state["lr_scheduler"] = b""
+        data_key = f"dp_rank_{self.dp_rank}"
+        same_data_layout = saved["dp_size"] == self.dp_size
+        if "dataloader" in wanted and same_data_layout:
+            if f"dataloader.{data_key}" not in metadata.state_dict_metadata:
+                raise ConfigError(f"checkpoint {path} has no dataloader state for data-parallel rank {self.dp_rank}; "
+                                  "it is corrupt, or add 'dataloader' to [checkpoint] exclude_from_loading.")
+            state["dataloader"] = {data_key: b""}
+        rng_key = f"rank_{self.rank}"
+        same_world = saved["world_size"] == self.world_size
+        if "rng" in wanted and same_world and f"rng.{rng_key}" in metadata.state_dict_metadata:
+            state["rng"] = {rng_key: b""}
+        self._dcp_load(state, path)
+
+        with sharded_parameters():
+            set_model_state_dict(self.model, state["model"])
+            if "optimizer" in state:
+                set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=_OPTIMIZER_OPTIONS)
+        if "lr_scheduler" in state:
+            self._load_lr_scheduler(_unpack(state["lr_scheduler"]))
+        if "dataloader" in state:
+            self.dataloader.load_state_dict(_unpack(state["dataloader"][data_key]))
+        elif "dataloader" in wanted:
+            self._fast_forward_data(saved["tokens_seen"], saved["dp_size"])
+        elif "dataloader" in self.config.exclude_from_loading and not model_only:
+            logger.warning("checkpoint: dataloader state not loaded (exclude_from_loading): the data starts over "
+                           "from the first document")
+        if "rng" in state:
+            _set_rng_state(_unpack(state["rng"][rng_key]))
+        elif "rng" in wanted:
+            logger.info("checkpoint: saved on %d ranks, running on %d: RNG states are not restored",
+                        saved["world_size"], self.world_size)
+        progress = TrainProgress(step=saved["step"], tokens_seen=saved["tokens_seen"])
+        if "train_state" not in wanted:
+            progress = TrainProgress()  # excluded: count steps and tokens from 0 again
+        logger.info("checkpoint: loaded %s from %s (step %d, %s) in %.1f s", ", ".join(sorted(state)), path,
+                    progress.step, f"{progress.tokens_seen:,} tokens", time.perf_counter() - started)
+        return progress
+
+    def _load_lr_scheduler(self, saved: dict[str, Any]) -> None:
+        """Restore the schedule's position but keep the config's shape (warmup, decay, total steps), so a run
+        resumed with more ``[training] steps`` follows its new schedule; unchanged, the values are identical."""
+        saved_shapes = saved.get("lr_lambdas") or []
+        self.lr_scheduler.load_state_dict({**saved, "lr_lambdas": [None] * len(saved_shapes)})
+        for group, base_lr, schedule, saved_shape in zip(
+            self.optimizer.param_groups, self.lr_scheduler.base_lrs, self.lr_scheduler.lr_lambdas,
+            saved_shapes, strict=False,
+        ):
+            if saved_shape is not None and saved_shape != vars(schedule):
+                logger.warning("checkpoint: the LR schedule changed since the save (%s -> %s); following the new "
+                               "one from step %d", saved_shape, vars(schedule), self.lr_scheduler.last_epoch + 1)
+            group["lr"] = base_lr * schedule(self.lr_scheduler.last_epoch)  # what LambdaLR.step() computes
+
+    def _dcp_load(self, state: dict[str, Any], path: Path) -> None:
+        try:
+            with _single_process_is_fine():
+                dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
+        except (CheckpointException, Exception) as e:  # noqa: B014 -- CheckpointException is a BaseException
+            raise ConfigError(f"checkpoint {path} cannot be read ({_first_failure(e)}); it is corrupt or "
+                              "truncated. Delete it to resume from the previous one.") from None
+
+    def _fast_forward_data(self, tokens_seen: int, saved_dp_size: int) -> None:
+        """The per-rank data positions of another dp size cannot be mapped onto this one: the documents are
+        split among ranks differently. Continue instead at the same token count: each rank skips the
+        ``tokens_seen / dp`` tokens it would have read had the run used this layout from the start."""
+        batches = tokens_seen // (self.dp_size * self.local_batch_size * self.tokens_per_sample)
+        logger.warning(
+            "checkpoint: saved with %d data-parallel ranks, running with %d: per-rank data positions cannot be "
+            "mapped; each rank skips its first %d batches (%s tokens in all) of the new split instead. Documents "
+            "are assigned to ranks differently, so some may be seen twice or not at all.",
+            saved_dp_size, self.dp_size, batches, f"{tokens_seen:,}",
+        )
+        iterator = iter(self.dataloader)
+        for _ in range(batches):
+            next(iterator)
+        self.dataloader.load_state_dict(self.dataloader.state_dict())  # the trainer's iter() continues here
+
+    # -------------------------------------------------------------------------------------- save
+
+    def save(self, progress: TrainProgress, *, last: bool = False, force: bool = False) -> None:
+        """Save if this step is due (every ``interval`` steps, the last step, or ``force``, e.g. on SIGTERM).
+
+        Call every step on every rank: it also commits a finished asynchronous save.
+        """
+        self._commit_if_done()
+        c, step = self.config, progress.step
+        if not c.enable or step == self._last_saved_step or not (force or last or step % c.interval == 0):
+            return
+        model_only = last and c.last_save_model_only
+        self._wait_for_pending()
+        # The last save and a save on a stop request must be on disk before the process exits: synchronous.
+        self._write(progress, model_only=model_only, asynchronous=c.async_mode == "async" and not (last or force))
+        if last and c.last_save_in_hf:
+            self._wait_for_pending()
+            self._export_last_hf(step)
+
+    def save_seed(self) -> None:
+        """``create_seed_checkpoint``: the freshly initialized model alone, as step 0."""
+        self._write(TrainProgress(), model_only=True, asynchronous=False)
+
+    def close(self) -> None:
+        """Wait for an asynchronous save and commit it (every rank)."""
+        self._wait_for_pending()
+
+    def _state_for_save(self, progress: TrainProgress, model_only: bool) -> dict[str, Any]:
+        with sharded_parameters():
+            model = get_model_state_dict(self.model)
+            if model_only and self.export_dtype != torch.float32:
+                model = {k: v.to(self.export_dtype) for k, v in model.items()}
+            state: dict[str, Any] = {"model": model}
+            if not model_only:
+                state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIMIZER_OPTIONS)
+        state["train_state"] = {"step": progress.step, "tokens_seen": progress.tokens_seen,
+                                "dp_size": self.dp_size, "world_size": self.world_size}
+        if not model_only:
+            state["lr_scheduler"] = _pack(self.lr_scheduler.state_dict())
+            state["dataloader"] = {f"dp_rank_{self.dp_rank}": _pack(self.dataloader.state_dict())}
+            state["rng"] = {f"rank_{self.rank}": _pack(_rng_state())}
+        return state
+
+    def _write(self, progress: TrainProgress, *, model_only: bool, asynchronous: bool) -> None:
+        step = progress.step
+        partial = self.folder / f"step-{step}{PARTIAL_SUFFIX}"
+        started = time.perf_counter()
+        error = None
+        if self.rank == 0:  # a stale folder of a crashed save of this step goes first
+            try:
+                if partial.exists():
+                    shutil.rmtree(partial)
+                partial.mkdir(parents=True)
+            except OSError as e:
+                error = e
+        if not self._everyone_ok(error is None):
+            raise self._save_error(step, error or "rank 0 could not create the folder")
+        state = self._state_for_save(progress, model_only)
+        try:
+            if asynchronous:
+                # The state is copied to CPU memory before async_save returns (its default stager), so the
+                # next optimizer step can change the parameters while the copy is written.
+                with _single_process_is_fine():
+                    future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._async_group)
+                self._pending = _PendingSave(future, partial, step, model_only, started)
+                logger.info("checkpoint: saving step %d in the background (staged in %.2f s)", step,
+                            time.perf_counter() - started)
+            else:
+                with _single_process_is_fine():
+                    dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
+                if self.rank == 0:
+                    self._commit(partial, step, model_only, started)
+                if dist.is_initialized():
+                    dist.barrier()  # the step folder exists for everyone once save() returns
+        except (CheckpointException, OSError) as e:
+            raise self._save_error(step, e) from None
+        self._last_saved_step = step
+
+    def _everyone_ok(self, ok: bool) -> bool:
+        if not dist.is_initialized():
+            return ok
+        flag = torch.tensor([0.0 if ok else 1.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() == 0.0
+
+    def _save_error(self, step: int, error: BaseException | str) -> ConfigError:
+        cause = _first_failure(error) if isinstance(error, BaseException) else error
+        steps = complete_steps(self.folder)
+        previous = f"the newest complete one is {step_folder(self.folder, steps[-1])}" if steps else "none is complete"
+        return ConfigError(f"checkpoint: saving step {step} to {self.folder} failed ({cause}); older checkpoints "
+                           f"are untouched, {previous}. Free disk space or fix permissions, then resume.")
+
+    def _commit(self, partial: Path, step: int, model_only: bool, started: float) -> None:
+        """Rank 0, once every rank's shards and DCP's .metadata are written: mark complete, rename, prune."""
+        marker = {
+            "step": step, "model_only": model_only, "world_size": self.world_size, "dp_size": self.dp_size,
+            "model_args": dataclasses.asdict(self.model_args), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        with open(partial / MARKER, "w") as f:
+            json.dump(marker, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        final = step_folder(self.folder, step)
+        if final.exists():  # e.g. a run resumed from an earlier step reaches this step again
+            replaced = final.with_name(final.name + ".replaced")
+            shutil.rmtree(replaced, ignore_errors=True)
+            final.rename(replaced)
+            partial.rename(final)
+            shutil.rmtree(replaced)
+            logger.warning("checkpoint: replaced the existing %s", final)
+        else:
+            partial.rename(final)
+        size = sum(f.stat().st_size for f in final.iterdir() if f.is_file())
+        logger.info("checkpoint: saved step %d%s to %s (%.1f MB) in %.1f s", step,
+                    " (model only)" if model_only else "", final, size / 1e6, time.perf_counter() - started)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Keep the newest ``keep_latest_k`` complete checkpoints (0 = all); the newest always survives."""
+        k = self.config.keep_latest_k
+        steps = complete_steps(self.folder)
+        if k <= 0 or len(steps) <= k:
+            return
+        for step in steps[:-k]:
+            shutil.rmtree(step_folder(self.folder, step), ignore_errors=True)
+            logger.info("checkpoint: deleted step %d (keep_latest_k = %d)", step, k)
+
+    def _commit_if_done(self) -> None:
+        """Rank 0 commits a finished background save as soon as it sees it; failures wait for the next
+        collective point (``_wait_for_pending``) so that every rank raises together."""
+        pending = self._pending
+        if pending is None or not pending.future.done() or pending.future.exception() is not None:
+            return
+        if self.rank == 0:
+            self._commit(pending.partial, pending.step, pending.model_only, pending.started)
+        self._pending = None
+
+    def _wait_for_pending(self) -> None:
+        pending = self._pending
+        if pending is None:
+            return
+        try:
+            pending.future.result()
+        except (CheckpointException, Exception) as e:  # noqa: B014 -- CheckpointException is a BaseException
+            self._pending = None
+            raise self._save_error(pending.step, e) from None
+        self._commit_if_done()
+
+    def _export_last_hf(self, step: int) -> None:
+        final = step_folder(self.folder, step)
+        if self.rank == 0:
+            out = export_hf(final, final / "hf", dtype=self.export_dtype, args=self.model_args)
+            logger.info("checkpoint: exported the model in Hugging Face format to %s", out)
+        if dist.is_initialized():
+            dist.barrier()
