@@ -34,7 +34,10 @@ def param_dtype_for(config: JobConfig, device: torch.device) -> torch.dtype:
 def reshard_after_forward(config: JobConfig, dims: ParallelDims) -> bool:
     choice = config.parallelism.fsdp_reshard_after_forward
     if choice == "default":
-        # Under PP each microbatch would all-gather again; one gather per step is worth the memory.
+        # Under PP, resharding would add a second all-gather per microbatch (in its backward) to the one
+        # every microbatch forward already does: SimpleFSDP gathers inside each forward, so it gathers once
+        # per microbatch, not once per step as FSDP2 does (see docs/dry_run.md: 16x FSDP2's all-gather
+        # traffic for the 405B config). Keeping the gathered weights for backward halves that.
         return dims.pp == 1
     return choice == "always"
 
