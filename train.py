@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from titan_simple.errors import ConfigError
+from titan_simple.errors import ConfigError, NonFiniteTraining
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except NonFiniteTraining as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 3
     return 0
 
 

@@ -115,3 +115,15 @@ def test_a_config_that_does_not_fit_names_the_largest_contributor(tmp_path):
     assert report["largest_contributor"] == "activations"
     assert "mode = full" in report["suggestion"]  # the config already uses selective AC
     assert "DOES NOT FIT" in proc.stdout and "largest contributor: activations" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("config", "world_size", "mesh"), [("llama3_debug.toml", 2, "dp_shard2"),
+                                                             ("llama3_70b.toml", 256, "dp_shard32 x tp8")])
+def test_shipped_configs_dry_run_at_their_world_size(tmp_path, config, world_size, mesh):
+    """With the 8B and 405B tests above, every shipped config plans at its intended world size and fits."""
+    proc, report = dry_run(tmp_path, "--config", config, "--dry_run.world_size", str(world_size), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert report["mesh"] == mesh and report["fits"]
+    assert report["memory_bytes"]["peak"] < report["memory_bytes"]["device"]
+    assert "tokens/s/GPU" in proc.stdout and report["tokens_per_second_per_gpu"] > 0

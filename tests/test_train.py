@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from titan_simple.config import load_job_config
+from titan_simple.errors import NonFiniteTraining
 from titan_simple.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,3 +85,40 @@ def test_torchrun_two_processes_simple_fsdp_matches_fsdp2(tmp_path):
     for a, b in zip(simple, fsdp2, strict=True):
         assert a["loss_metrics/global_avg_loss"] == pytest.approx(b["loss_metrics/global_avg_loss"], rel=1e-6)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+
+
+def _poison_step(trainer: Trainer, bad_step: int) -> list[int]:
+    """Make the gradient norm NaN at ``bad_step`` (as a NaN loss would); return the steps the optimizer took."""
+    clip, optimizer_step, stepped = trainer._clip_gradients, trainer.optimizer.step, []
+
+    def poisoned_clip():
+        norm = clip()
+        return torch.full_like(norm, float("nan")) if trainer.step == bad_step else norm
+
+    def counting_step(*args, **kwargs):
+        stepped.append(trainer.step)
+        return optimizer_step(*args, **kwargs)
+
+    trainer._clip_gradients, trainer.optimizer.step = poisoned_clip, counting_step
+    return stepped
+
+
+def test_nonfinite_gradient_norm_stops_the_run_naming_the_step_and_checkpoint(tmp_path):
+    config = load_job_config(["--config", "llama3_debug.toml", *TINY, "--job.dump_folder", str(tmp_path),
+                              "--checkpoint.enable", "--checkpoint.interval", "2"])
+    trainer = Trainer(config)
+    stepped = _poison_step(trainer, bad_step=3)
+    with pytest.raises(NonFiniteTraining, match=r"^step 3: .*nan.* the last good checkpoint is .*step-2"):
+        trainer.train()
+    assert stepped == [1, 2]  # the poisoned step never reached the optimizer
+    assert not (tmp_path / "checkpoint" / "step-3").exists()
+
+
+def test_skip_nonfinite_steps_skips_only_that_step(tmp_path):
+    config = load_job_config(["--config", "llama3_debug.toml", *TINY, "--job.dump_folder", str(tmp_path),
+                              "--training.skip_nonfinite_steps"])
+    trainer = Trainer(config)
+    stepped = _poison_step(trainer, bad_step=2)
+    losses = trainer.train()
+    assert stepped == [1, 3, 4, 5, 6] and len(losses) == 6
+    assert trainer.lr_scheduler.last_epoch == 5  # the schedule did not advance on the skipped step

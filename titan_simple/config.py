@@ -92,6 +92,9 @@ class Training:
     )
     seed: int = option(0, "Seed for model init and everything random; same config + seed = same losses on CPU.")
     deterministic: bool = option(False, "Use deterministic algorithms (slower on GPU).")
+    skip_nonfinite_steps: bool = option(
+        False, "On a NaN/Inf loss or gradient norm, skip that optimizer step (warn) instead of stopping the run."
+    )
     mixed_precision_param: str = option(
         "auto", "dtype the weights are gathered and computed in; auto = bfloat16 on GPU, float32 on CPU "
         "(bf16 matmuls are slower than fp32 on CPUs).", choices=("auto", "bfloat16", "float32"),

@@ -8,3 +8,8 @@ its traceback.
 
 class ConfigError(Exception):
     """A problem in the user's input; the message names what is wrong, where, and how to fix it."""
+
+
+class NonFiniteTraining(Exception):
+    """The loss or gradient norm became NaN/Inf: the run stops (``train.py`` prints one line, exit status 3)
+    rather than writing a poisoned checkpoint. The message names the step and the last good checkpoint."""

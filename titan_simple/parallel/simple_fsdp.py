@@ -133,18 +133,25 @@ def _parametrize(module: nn.Module, specs: dict[str, _GatherSpec]) -> None:
 
 
 def _joint_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
-    # private; both meshes must be cut from one named world mesh. Compared by value, not identity: DeviceMesh
-    # caches slices by value, so after a second equal world mesh is built in one process (tests building
-    # several layouts) a slice's root may be the first one.
+    """The (dp..., tp) mesh, cut from the world mesh the dp mesh was sliced from (``_get_root_mesh`` is
+    private). The TP mesh is matched by its dimension name and ranks, not by its root's identity: torch 2.13
+    caches mesh slices, so after another world mesh was built in the same process (tests running several
+    layouts) ``world['tp']`` may report that other world as its root."""
     root = dp_mesh._get_root_mesh()
-    if root != tp_mesh._get_root_mesh() or not (dp_mesh.mesh_dim_names and tp_mesh.mesh_dim_names):
+    names = tp_mesh.mesh_dim_names or ()
+    matches = (
+        bool(dp_mesh.mesh_dim_names)
+        and bool(names)
+        and all(name in (root.mesh_dim_names or ()) for name in names)
+        and torch.equal(root[names].mesh, tp_mesh.mesh)
+    )
+    if not matches:
         raise ValueError(
             "data_parallel: a DTensor parameter's mesh and the data-parallel mesh must be named slices of "
-            "the same world mesh, e.g. world['dp_shard'] and world['tp'] "
-            f"(got {dp_mesh.mesh_dim_names} of {root.mesh_dim_names} and {tp_mesh.mesh_dim_names} of "
-            f"{tp_mesh._get_root_mesh().mesh_dim_names})."
+            f"the same world mesh, e.g. world['dp_shard'] and world['tp'] (got {dp_mesh.mesh_dim_names} of "
+            f"{root.mesh_dim_names} and {names} of {tp_mesh._get_root_mesh().mesh_dim_names})."
         )
-    return root[dp_mesh.mesh_dim_names + tp_mesh.mesh_dim_names]
+    return root[dp_mesh.mesh_dim_names + names]
 
 
 def _shard(param: torch.Tensor, mesh: DeviceMesh, dp_placements: tuple[Placement, ...], mp_policy):

@@ -349,6 +349,11 @@ class CheckpointManager:
             dist.new_group(backend="gloo") if self.config.async_mode == "async" and dist.is_initialized() else None
         )
 
+    def latest_complete(self) -> Path | None:
+        """The newest complete step folder on disk (for messages), or None."""
+        steps = complete_steps(self.folder) if self.folder.exists() else []
+        return step_folder(self.folder, steps[-1]) if steps else None
+
     # -------------------------------------------------------------------------------------- load
 
     def load(self) -> TrainProgress | None:

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from titan_simple.config import JobConfig, resolve_project_path
 from titan_simple.data import Tokenizer, build_dataloader
-from titan_simple.errors import ConfigError
+from titan_simple.errors import ConfigError, NonFiniteTraining
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, build_model, count_parameters, flops_per_token
 from titan_simple.parallel.dims import ParallelDims, dp_rank_and_size, validate_parallelism
 from titan_simple.parallel.fsdp2 import gradient_averaging_factor
@@ -215,11 +215,31 @@ class Trainer:
             local_loss_sum = self.pipeline.sum_over_stages(local_loss_sum)
         grad_norm = self._clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses, before the schedule advances
-        self.optimizer.step()
-        self.lr_scheduler.step()
+        # The norm is global (every rank holds the same value), so all ranks take the same branch; a NaN/Inf
+        # loss anywhere makes it non-finite too.
+        if not torch.isfinite(grad_norm):
+            self._handle_nonfinite(float(grad_norm))
+        else:
+            self.optimizer.step()
+            self.lr_scheduler.step()
         local_tokens = global_tokens // self.dims.dp
         return {"local_mean": local_loss_sum / local_tokens, "global_tokens": global_tokens,
                 "grad_norm": grad_norm, "lr": lr}
+
+    def _handle_nonfinite(self, grad_norm: float) -> None:
+        """Skip the step (``skip_nonfinite_steps``) or stop before anything poisoned reaches a checkpoint."""
+        if self.config.training.skip_nonfinite_steps:
+            logger.warning("step %d: gradient norm %s is not finite; skipping this optimizer step",
+                           self.step, grad_norm)
+            self.optimizer.zero_grad()
+            return
+        last_good = self.checkpoint.latest_complete()
+        where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was saved"
+        raise NonFiniteTraining(
+            f"step {self.step}: the loss or gradient norm is {grad_norm} (not finite); {where}. Lower "
+            "[optimizer] lr or raise warmup, resume from that checkpoint, or set [training] "
+            "skip_nonfinite_steps = true to skip such steps."
+        )
 
     def _clip_gradients(self) -> torch.Tensor:
         params = [p for part in self.model_parts for p in part.parameters() if p.grad is not None]
