@@ -53,7 +53,7 @@ def run_on_ranks(
     world_size: int,
     args: Sequence[Any] = (),
     kwargs: dict[str, Any] | None = None,
-    timeout_s: float = 600.0,
+    timeout_s: float = 1800.0,  # compiled multi-layout jobs on a loaded 2-core machine took over 600 s
 ) -> list[Any]:
     """``[fn(0, world_size, *args), ..., fn(world_size - 1, ...)]``, each run in its own process.
 
