@@ -58,8 +58,8 @@ from titan_simple.models.llama3 import build_model  # noqa: E402
 from titan_simple.parallel.dims import ParallelDims, dp_rank_and_size  # noqa: E402
 from titan_simple.parallel.fsdp2 import gradient_averaging_factor  # noqa: E402
 from titan_simple.parallel.parallelize import parallelize_llama  # noqa: E402
-from titan_simple.parallel.sharded_init import layout_invariant_init  # noqa: E402
-from titan_simple.parallel.simple_fsdp import clip_grad_norm_, sharded_parameters  # noqa: E402
+from titan_simple.parallel.sharded_init import materialize_and_init  # noqa: E402
+from titan_simple.parallel.simple_fsdp import clip_grad_norm_  # noqa: E402
 from titan_simple.train.optim import build_optimizer  # noqa: E402
 from titan_simple.train.trainer import cross_entropy_sum  # noqa: E402
 
@@ -210,11 +210,7 @@ def _config(args, overrides: tuple[str, ...], dump_folder: str):
 def _build(config, world_size: int, mesh, dims):
     model = build_model(config.model.flavor, max_seq_len=config.training.seq_len, device="meta")
     model = parallelize_llama(model, dims, mesh, config, DEVICE)
-    model.to_empty(device=DEVICE)
-    torch.manual_seed(config.training.seed)
-    with torch.no_grad(), sharded_parameters(), layout_invariant_init():
-        model.init_weights(buffer_device=DEVICE)
-    model.train()
+    materialize_and_init(model, DEVICE, config.training.seed)
     return model
 
 

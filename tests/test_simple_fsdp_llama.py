@@ -2,7 +2,7 @@
 
 The model is built on the meta device, parallelized by ``parallelize_llama`` from a ``JobConfig`` (SimpleFSDP
 or FSDP2, optionally ``--compile.enable``: Inductor, whole model, fullgraph), materialized with ``to_empty``
-and initialized under ``sharded_parameters()`` + ``layout_invariant_init()``, exactly as ``Trainer`` does.
+and initialized by ``sharded_init.materialize_and_init``, exactly as ``Trainer`` does.
 fp32, 10 AdamW steps (lr 3e-3, clipping at 1.0: active at every step, the norms are 1.04 to 1.07). Each
 data-parallel rank trains on its slice (along the batch dim, by its index in the flattened dp mesh) of a
 fixed global batch of 4 x 64 random tokens, a different one per step; the loss is the summed cross-entropy
@@ -50,8 +50,8 @@ from titan_simple.models.llama3 import build_model
 from titan_simple.parallel.dims import ParallelDims, dp_rank_and_size
 from titan_simple.parallel.fsdp2 import gradient_averaging_factor
 from titan_simple.parallel.parallelize import parallelize_llama
-from titan_simple.parallel.sharded_init import layout_invariant_init
-from titan_simple.parallel.simple_fsdp import clip_grad_norm_, sharded_parameters
+from titan_simple.parallel.sharded_init import materialize_and_init
+from titan_simple.parallel.simple_fsdp import clip_grad_norm_
 from titan_simple.train.optim import build_optimizer
 from titan_simple.train.trainer import cross_entropy_sum
 
@@ -106,11 +106,7 @@ def build_parallel_model(config, world_size: int):
     mesh = dims.build_mesh(DEVICE.type)
     model = build_model(config.model.flavor, max_seq_len=config.training.seq_len, device="meta")
     model = parallelize_llama(model, dims, mesh, config, DEVICE)
-    model.to_empty(device=DEVICE)
-    torch.manual_seed(config.training.seed)
-    with torch.no_grad(), sharded_parameters(), layout_invariant_init():
-        model.init_weights(buffer_device=DEVICE)
-    model.train()
+    materialize_and_init(model, DEVICE, config.training.seed)
     return model, dims, mesh
 
 

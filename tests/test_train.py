@@ -122,3 +122,55 @@ def test_skip_nonfinite_steps_skips_only_that_step(tmp_path):
     losses = trainer.train()
     assert stepped == [1, 3, 4, 5, 6] and len(losses) == 6
     assert trainer.lr_scheduler.last_epoch == 5  # the schedule did not advance on the skipped step
+
+
+def _worker_pid(launcher_pid: int, rank: int) -> int | None:
+    """The PID of the torchrun worker with ``RANK=rank`` among the launcher's children."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == launcher_pid and f"RANK={rank}".encode() in environ:
+            return int(proc.name)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the worker through /proc (Linux)")
+def test_a_dead_rank_ends_the_job_promptly_and_is_named(tmp_path):
+    """SIGKILL one worker mid-run: the launcher ends the job (no hang on the survivor's next collective) with
+    a non-zero status and a report naming the dead rank and its signal."""
+    import signal
+    import time
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
+               str(REPO / "train.py"), "--config", "llama3_debug.toml", "--training.steps", "100000",
+               "--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
+               "--metrics.enable_tensorboard=false", "--job.dump_folder", str(tmp_path)]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                                cwd=REPO)
+    try:
+        deadline = time.monotonic() + 600
+        metrics = tmp_path / "metrics.jsonl"
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+            assert launcher.poll() is None and time.monotonic() < deadline, "the job did not start training"
+            time.sleep(0.5)
+        victim = _worker_pid(launcher.pid, rank=1)
+        assert victim is not None
+        os.kill(victim, signal.SIGKILL)
+        killed_at = time.monotonic()
+        output, _ = launcher.communicate(timeout=300)
+        ended_after = time.monotonic() - killed_at
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    print(f"job ended {ended_after:.1f} s after rank 1 was killed")
+    assert launcher.returncode != 0
+    assert ended_after < 120, ended_after  # measured: a few seconds (gloo sees the closed connection at once)
+    assert "rank      : 1" in output or "rank: 1" in output, output[-3000:]
+    assert "Signal 9 (SIGKILL)" in output or "exitcode  : -9" in output, output[-3000:]
