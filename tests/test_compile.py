@@ -48,7 +48,7 @@ def test_inductor_private_apis_exist():
 
     params = inspect.signature(compile_mod.schedule_overlap_bucketing).parameters
     for name in ("collective_bucketing", "custom_runtime_estimation", "compute_estimator", "insert_overlap_deps",
-                 "pre_bucketing_fsdp_collectives"):
+                 "pre_bucketing_fsdp_collectives", "bucket_only_internode_comms"):
         assert name in params, f"schedule_overlap_bucketing lost its {name!r} argument"
     params = inspect.signature(compile_mod.manual_overlap_bucketing).parameters
     assert {"gm", "module_bucket_plans", "insert_overlap_deps"} <= set(params)

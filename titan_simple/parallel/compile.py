@@ -420,10 +420,16 @@ class _OverlapPass(CustomGraphPass):
                 gm.recompile()
         elif has_collectives and (self.bucketing == "auto" or self.reorder):
             auto = self.bucketing == "auto"
+            # With tensor parallel the graph also holds TP's activation collectives, whose gathered outputs
+            # are saved for backward; Inductor's bucketer asserts a single user and fails on them ("Expected
+            # single user for all_gather_into_tensor", torch 2.13). Bucket only the process groups that carry
+            # FSDP all-gathers (of parameters), i.e. the data-parallel ones.
+            groups = {n.args[-1] for n in gm.graph.nodes if n.op == "call_function" and n.target in _KINDS}
             kwargs: dict[str, Any] = dict(
                 collective_bucketing=auto,
                 pre_bucketing_fsdp_collectives=False,
                 insert_overlap_deps=False,
+                bucket_only_internode_comms=len(groups) > 1,
             )
             if self.estimator is not None:
                 kwargs.update(custom_runtime_estimation=self.estimator, compute_estimator="analytical")
