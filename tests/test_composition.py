@@ -128,11 +128,6 @@ COMPILE = ("--compile.enable",)
 # output", torch 2.13; measured twice), while the same compile in a fresh process trains exactly. Training
 # processes run one layout, so this only concerns tests that run several.
 FOUR_RANK_CONFIGS = {
-    # Bucketing and reordering on the 2-D (dp, tp) mesh: the all-gathers are over dp only (test_compile.py
-    # checks the plans on dp2; here the losses).
-    "dp_shard2_tp2/compiled_transformer_block_reorder": _layout(
-        1, 2, 2, 1, *COMPILE, "--compile.bucketing=transformer_block", "--compile.reorder"),
-    "dp_shard2_tp2/compiled_auto": _layout(1, 2, 2, 1, *COMPILE, "--compile.bucketing=auto"),
     "tp2_pp2/compiled": _layout(1, 1, 2, 2, *COMPILE),
     "dp_replicate2_tp2/compiled": _layout(2, 1, 2, 1, *COMPILE),
     "tp2_pp2/eager": _layout(tp=2, pp=2),
@@ -141,6 +136,15 @@ FOUR_RANK_CONFIGS = {
 EIGHT_RANK_CONFIGS = {
     "dp_shard2_tp2_pp2/compiled": _layout(1, 2, 2, 2, *COMPILE),
     "dp_shard2_tp2_pp2/eager": _layout(dp_shard=2, tp=2, pp=2),
+}
+
+
+# Bucketing and reordering on the 2-D (dp, tp) mesh: the all-gathers are over dp only (test_compile.py checks
+# the plans on dp2; here the losses). Each runs in a job of its own, as measured.
+BUCKETING_CONFIGS = {
+    "dp_shard2_tp2/compiled_transformer_block_reorder": _layout(
+        1, 2, 2, 1, *COMPILE, "--compile.bucketing=transformer_block", "--compile.reorder"),
+    "dp_shard2_tp2/compiled_auto": _layout(1, 2, 2, 1, *COMPILE, "--compile.bucketing=auto"),
 }
 
 
@@ -173,3 +177,10 @@ def test_four_process_layouts_match_single_process(four_ranks, reference, key):
 @pytest.mark.parametrize("key", list(EIGHT_RANK_CONFIGS))
 def test_dp_shard2_tp2_pp2_on_eight_processes_matches_single_process(eight_ranks, reference, key):
     assert_parity(eight_ranks, key, reference, _rtol(key), norm_rtol=NORM_RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", list(BUCKETING_CONFIGS))
+def test_bucketing_and_reordering_on_dp2_tp2_match_single_process(reference, key):
+    results = run_on_ranks(_run_configs, 4, args=({key: BUCKETING_CONFIGS[key]},))
+    assert_parity(results, key, reference, COMPILED_RTOL, norm_rtol=NORM_RTOL)
