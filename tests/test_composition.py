@@ -8,8 +8,9 @@ ranks); the training loop here adds what tensor parallel needs: the loss and its
 
 Measured on 2 CPU cores, torch 2.13 (largest relative difference of the per-step losses from the reference,
 where printed): tp2 x pp2 compiled 1.2e-7; dp_replicate2 x tp2 eager 1.2e-7; dp_shard2 x tp2 x pp2
-(8 processes) eager 1.2e-7; dp_shard2 x tp2 compiled with transformer_block bucketing + reorder 1.2e-7,
-with auto bucketing 1.2e-7. Asserted: 1e-6 eager, 1e-5 compiled (test_pipeline's tolerances); gradient norms
+(8 processes) eager 1.2e-7; dp_shard2 x tp2 compiled with transformer_block bucketing + reorder 1.2e-7
+(auto bucketing also gave 1.2e-7 here; test_compile.py now checks every bucketing setting on dp2 x tp2 against
+the unbucketed compile, more cheaply). Asserted: 1e-6 eager, 1e-5 compiled (test_pipeline's tolerances); gradient norms
 1e-4 (torch's fp32 CPU norm of the sharded output-projection gradient; see test_tensor_parallel.py).
 Runtime: about 4 minutes for the 4-process job, 4 for the 8-process one, on a quiet 2-core machine.
 """
@@ -139,12 +140,11 @@ EIGHT_RANK_CONFIGS = {
 }
 
 
-# Bucketing and reordering on the 2-D (dp, tp) mesh: the all-gathers are over dp only (test_compile.py checks
-# the plans on dp2; here the losses). Each runs in a job of its own, as measured.
+# Bucketing and reordering on the 2-D (dp, tp) mesh against the single-process reference: the all-gathers are
+# over dp only. In a job of its own: several compiled configurations in one process failed in a fresh clone.
 BUCKETING_CONFIGS = {
     "dp_shard2_tp2/compiled_transformer_block_reorder": _layout(
         1, 2, 2, 1, *COMPILE, "--compile.bucketing=transformer_block", "--compile.reorder"),
-    "dp_shard2_tp2/compiled_auto": _layout(1, 2, 2, 1, *COMPILE, "--compile.bucketing=auto"),
 }
 
 

@@ -295,7 +295,7 @@ def _carried_modules(start: fx.Node, wait: fx.Node | None, max_nodes: int = 2000
 
 
 def describe_collectives(graph: fx.Graph) -> list[dict[str, Any]]:
-    """Every collective of ``graph`` in issue order: kind, dtype, bytes, modules carried, and the compute nodes
+    """Every collective of ``graph`` in issue order: kind, process group, dtype, bytes, modules carried, and the compute nodes
     issued between it and its wait (empty: exposed)."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
@@ -319,6 +319,7 @@ def describe_collectives(graph: fx.Graph) -> list[dict[str, Any]]:
                 "index": len(out),
                 "node": n.name,
                 "kind": _KINDS[n.target],
+                "group": str(n.args[-1]),  # the process group's name
                 "dtype": _collective_dtype(n),
                 "bytes": _collective_bytes(n),
                 "modules": _carried_modules(n, wait),
