@@ -676,6 +676,7 @@ def driver_main(argv: list[str]) -> None:
     raw = []
     job_seconds: dict[tuple[str, int], float] = {}
     skipped: list[Run] = []
+    failed: list[Run] = []
     for i, run in enumerate(runs):
         if args.budget_minutes is not None:
             # The last duration of this configuration at this world size, else at any (scaled by the world
@@ -688,6 +689,7 @@ def driver_main(argv: list[str]) -> None:
                 continue
         result = launch(run, args.steps, args.warmup, out_dir)
         if result is None:
+            failed.append(run)
             continue
         s = summarize_run(result, run.config)
         summaries.setdefault(run.key, []).append(s)
@@ -705,9 +707,15 @@ def driver_main(argv: list[str]) -> None:
              enumerate(itertools.product(workloads, sorted(world_sizes), all_configs))}
     results = dict(sorted(aggregate(summaries).items(), key=lambda kv: order[kv[0]]))
     text = report(results, configs, args, argv, time.perf_counter() - start)
+
+    def describe(jobs: list[Run]) -> str:
+        names = (f"repeat {r.repeat + 1} of {r.workload.name} ws{r.world_size} {r.config.name}" for r in jobs)
+        return ", ".join(names) + "."
+
+    if failed:
+        text += f"\n\nFailed (logs in {args.out}/jobs; the table has the other repeats): " + describe(failed)
     if skipped:
-        text += "\n\nNot run (over --budget-minutes): " + ", ".join(
-            f"repeat {r.repeat + 1} of {r.workload.name} ws{r.world_size} {r.config.name}" for r in skipped) + "."
+        text += "\n\nNot run (over --budget-minutes): " + describe(skipped)
     print()
     print(text)
     (out_dir / "report.md").write_text(text + "\n")

@@ -218,4 +218,5 @@ def test_bucketing_and_reordering_on_dp2_tp2_match_none():
         assert rel <= LOSS_RTOL, (key, rel, r["losses"], res["none"]["losses"])
     # The bucketing really happened on the dp dimension.
     for key in ("transformer_block", "transformer_block+reorder", "auto+reorder"):
-        assert res[key]["dp_collectives"] < res["none"]["dp_collectives"], {k: r["dp_collectives"] for k, r in res.items()}
+        counts = {k: r["dp_collectives"] for k, r in res.items()}
+        assert res[key]["dp_collectives"] < res["none"]["dp_collectives"], counts

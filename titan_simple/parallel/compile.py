@@ -295,8 +295,8 @@ def _carried_modules(start: fx.Node, wait: fx.Node | None, max_nodes: int = 2000
 
 
 def describe_collectives(graph: fx.Graph) -> list[dict[str, Any]]:
-    """Every collective of ``graph`` in issue order: kind, process group, dtype, bytes, modules carried, and the compute nodes
-    issued between it and its wait (empty: exposed)."""
+    """Every collective of ``graph`` in issue order: kind, process group, dtype, bytes, modules carried, and the
+    compute nodes issued between it and its wait (empty: exposed)."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     waits: dict[fx.Node, fx.Node] = {}

@@ -50,13 +50,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_schedule_class
-from torch.distributed.tensor import DTensor
 
 from titan_simple.config import JobConfig
 from titan_simple.errors import ConfigError
 from titan_simple.parallel.dims import ParallelDims
 from titan_simple.parallel.parallelize import ZERO_BUBBLE_SCHEDULES, parallelize_llama
 from titan_simple.parallel.sharded_init import materialize_and_init
+from titan_simple.parallel.simple_fsdp import grad_norm
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
 SINGLE_STAGE_SCHEDULES = frozenset({"GPipe", "1F1B"})
@@ -331,17 +331,9 @@ def clip_grad_norm_(
     ``norm ** p`` (a max for the inf-norm). Every rank must call it.
     """
     parameters = list(parameters)
-    groups: dict[object, list[torch.Tensor]] = {}
-    for p in parameters:
-        if p.grad is not None:
-            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
-            groups.setdefault(key, []).append(p)
-    norms = []
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type, foreach=foreach)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    device = parameters[0].device if parameters else None
-    local = torch.nn.utils.get_total_norm(norms, norm_type) if norms else torch.zeros((), device=device)
+    local, groups = grad_norm(parameters, norm_type, foreach)
+    if local is None:  # this stage has no gradients; it still takes part in the pp reduction
+        local = torch.zeros((), device=parameters[0].device if parameters else None)
     if pp_group is None:
         total = local
     elif math.isinf(norm_type):
@@ -351,6 +343,6 @@ def clip_grad_norm_(
         total = local ** norm_type
         dist.all_reduce(total, group=pp_group)
         total = total ** (1.0 / norm_type)
-    for group in groups.values():
+    for group in groups:
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
     return total

@@ -245,6 +245,20 @@ def clip_grad_norm_(
     whose ``full_tensor()`` reduces the shards' partial norms; the groups' norms are then combined locally.
     Every rank must call this (it communicates).
     """
+    total, groups = grad_norm(parameters, norm_type, foreach)
+    if total is None:
+        return torch.tensor(0.0)
+    for group in groups:
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
+    return total
+
+
+def grad_norm(
+    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, foreach: bool | None = None
+) -> tuple[torch.Tensor | None, list[list[torch.Tensor]]]:
+    """The norm of the gradients of ``parameters`` (``None`` if none has one), and the parameters grouped by
+    their gradient's (mesh, placements), as ``clip_grads_with_norm_`` wants them. Communicates over the
+    meshes of sharded gradients, so every rank of them must call it."""
     groups: dict[object, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is not None:
@@ -254,9 +268,5 @@ def clip_grad_norm_(
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type, foreach=foreach)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if not norms:
-        return torch.tensor(0.0)
-    total = torch.nn.utils.get_total_norm(norms, norm_type)
-    for group in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
-    return total
+    total = torch.nn.utils.get_total_norm(norms, norm_type) if norms else None
+    return total, list(groups.values())
