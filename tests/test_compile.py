@@ -220,3 +220,27 @@ def test_bucketing_and_reordering_on_dp2_tp2_match_none():
     for key in ("transformer_block", "transformer_block+reorder", "auto+reorder"):
         counts = {k: r["dp_collectives"] for k, r in res.items()}
         assert res[key]["dp_collectives"] < res["none"]["dp_collectives"], counts
+
+
+def test_bucketing_on_a_per_block_compiled_layout_warns(caplog):
+    """FSDP2 (and TP inside a pipeline stage, and zero-bubble schedules) compile block by block: there is no
+    whole-step graph, so [compile] bucketing / reorder cannot apply; the user is told rather than ignored."""
+    from titan_simple.config import load_job_config
+    from titan_simple.parallel.dims import ParallelDims
+    from titan_simple.parallel.parallelize import parallelize_llama
+
+    def build(*overrides: str) -> None:
+        config = load_job_config(["--config", "llama3_debug.toml", "--compile.enable", *overrides])
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
+        with torch.device("meta"):
+            model = Transformer(_args())
+        parallelize_llama(model, dims, None, config, torch.device("cpu"))
+
+    with caplog.at_level("WARNING", logger="titan_simple.parallel.parallelize"):
+        build("--parallelism.fsdp_implementation=fsdp2", "--compile.bucketing=transformer_block")
+    assert "bucketing = 'transformer_block', reorder = False ignored" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="titan_simple.parallel.parallelize"):
+        build("--parallelism.fsdp_implementation=fsdp2")
+        build("--compile.bucketing=transformer_block", "--compile.reorder")  # SimpleFSDP: whole model, applies
+    assert "ignored" not in caplog.text

@@ -8,6 +8,8 @@ further over the dp mesh (the joint (dp, tp) mesh). Pipeline parallel slots in a
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -19,6 +21,8 @@ from titan_simple.parallel.dims import ParallelDims, dp_mesh
 from titan_simple.parallel.fsdp2 import apply_fsdp2
 from titan_simple.parallel.simple_fsdp import MixedPrecisionPolicy, data_parallel
 from titan_simple.parallel.tensor_parallel import apply_tensor_parallel, keep_gradient_layouts
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -84,6 +88,12 @@ def parallelize_llama(
     compile_config = config.compile
     per_block = compile_per_block(config, dims)
     if compile_config.enable and per_block:
+        if compile_config.bucketing != "none" or compile_config.reorder:
+            logger.warning(
+                "[compile] bucketing = %r, reorder = %s ignored: this layout compiles each transformer block on "
+                "its own (FSDP2, tensor parallel inside a pipeline stage, or a zero-bubble schedule), so there is "
+                "no whole-step graph to bucket or reorder.", compile_config.bucketing, compile_config.reorder,
+            )
         for block in model.layers.values():
             block.compile(backend=compile_config.backend, fullgraph=True)
 
