@@ -9,6 +9,7 @@ of losses match the unbucketed compile; on a 2 x 2 (dp_shard, tp) mesh, that the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 from tests.distributed_utils import run_on_ranks
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, Transformer
 from titan_simple.parallel import compile as compile_mod
-from titan_simple.parallel.compile import compile_model, transformer_block_plan
+from titan_simple.parallel.compile import compile_model, overlap_in_generated_code, transformer_block_plan
 from titan_simple.parallel.sharded_init import materialize_and_init
 from titan_simple.parallel.simple_fsdp import data_parallel, sharded_parameters
 from titan_simple.parallel.tensor_parallel import apply_tensor_parallel
@@ -73,6 +74,17 @@ def _batch(step: int, rank: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
+def _train_step(model, optimizer, losses: list[float], rank: int, world_size: int, step: int) -> None:
+    inputs, labels = _batch(step, rank)
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), reduction="sum")
+    (loss / (LOCAL_BATCH * SEQ_LEN * world_size)).backward()
+    optimizer.step()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    losses.append(total.item() / (LOCAL_BATCH * SEQ_LEN * world_size))
+
+
 def _train_settings(rank: int, world_size: int, settings: list[tuple[str, bool]], dump_root: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -91,17 +103,12 @@ def _train_settings(rank: int, world_size: int, settings: list[tuple[str, bool]]
         dump = os.path.join(dump_root, key)
         recorder = compile_model(model, backend="inductor", bucketing=bucketing, reorder=reorder, dump_folder=dump)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        losses = []
-        for step in range(STEPS):
-            inputs, labels = _batch(step, rank)
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), reduction="sum")
-            (loss / (LOCAL_BATCH * SEQ_LEN * world_size)).backward()
-            optimizer.step()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            losses.append(total.item() / (LOCAL_BATCH * SEQ_LEN * world_size))
-        results[key] = {"losses": losses, "graphs": recorder.graphs}
+        losses: list[float] = []
+        step_fn = functools.partial(_train_step, model, optimizer, losses, rank, world_size)
+        generated = overlap_in_generated_code(functools.partial(step_fn, 0))  # compiles forward and backward
+        for step in range(1, STEPS):
+            step_fn(step)
+        results[key] = {"losses": losses, "graphs": recorder.graphs, "generated_overlap": generated}
     return results
 
 
@@ -151,6 +158,15 @@ def test_bucketing_and_reordering(tmp_path):
     fwd_plain = res["transformer_block"]["graphs"]["forward"]
     ag1_plain = _first_index(fwd_plain, "all_gather", "layers.1")
     assert not any((o["module"] or "").startswith("layers.0") for o in ag1_plain["overlaps"]), ag1_plain
+    # The code Inductor generated keeps that order: compute kernels run between a collective's start and its
+    # wait, in forward and backward. (Without control_deps pinning it, Inductor's scheduler moved every
+    # start back next to its wait: 0 everywhere.)
+    for key in ("transformer_block+reorder", "auto+reorder", "none+reorder"):
+        gaps = res[key]["generated_overlap"]
+        print(f"{key}: compute kernels between start and wait in the generated code: {gaps}")
+        assert len(gaps) == 2 and all(max(g, default=0) > 0 for g in gaps), (key, gaps)
+    assert all(max(g, default=0) == 0 for g in res["transformer_block"]["generated_overlap"]), res[
+        "transformer_block"]["generated_overlap"]
 
     # Same losses as the unbucketed compile.
     ref = torch.tensor(res["none"]["losses"], dtype=torch.float64)

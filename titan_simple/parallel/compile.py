@@ -43,10 +43,11 @@ import json
 import logging
 import operator
 import os
+import re
 import time
 import warnings
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -57,7 +58,7 @@ import torch.distributed as dist
 import torch.utils._runtime_estimation as _runtime_estimation  # roofline: get_gpu_dram_gbps, get_device_tflops
 from torch import fx, nn
 from torch._inductor.custom_graph_pass import CustomGraphPass  # the post-grad pass protocol
-from torch._inductor.fx_passes.bucketing import _get_collective_node_from_wait  # wait -> its collective
+from torch._inductor.fx_passes import control_dependencies  # control_deps: the HOP that pins our order
 from torch._inductor.fx_passes.overlap_manual_scheduling import (  # manual (module-plan) bucketing + reorder
     ManualOverlapScheduler,
     manual_overlap_bucketing,
@@ -66,6 +67,7 @@ from torch._inductor.fx_passes.overlap_scheduling import (  # auto bucketing + r
     is_compute_node,
     schedule_overlap_bucketing,
 )
+from torch._inductor.utils import run_and_get_code  # the generated wrapper code (checks what really overlaps)
 
 # (module, attribute) pairs the test checks; keep in sync with the imports above and the uses below.
 _PRIVATE = (
@@ -75,6 +77,8 @@ _PRIVATE = (
     (_runtime_estimation, "get_device_tflops"),
     (ManualOverlapScheduler, "_manual_bucket_collectives"),
     (ManualOverlapScheduler, "_obtain_nodes_in_subgraph"),
+    (control_dependencies, "control_deps"),
+    (torch._inductor.utils, "run_and_get_code"),
 )
 # ------------------------------------------------------------------------------------------------------------
 
@@ -224,13 +228,55 @@ def _tensor_bytes(v: Any) -> int:
     return sum(t.numel() * t.element_size() for t in flat if isinstance(t, torch.Tensor))
 
 
+def _op_node(node: fx.Node) -> fx.Node:
+    """``node`` itself, or, where Inductor wrapped it in ``control_deps(deps, subgraph, *inputs)`` to keep it in
+    order (``insert_overlap_deps``; same name and meta), the op node inside that subgraph."""
+    if node.op != "call_function" or node.target is not control_dependencies.control_deps:
+        return node
+    subgraph = getattr(node.graph.owning_module, node.args[1].target)
+    return next(n for n in subgraph.graph.nodes if n.op == "call_function")
+
+
+def _unwrap(node: fx.Node) -> tuple[Any, tuple, dict]:
+    """``(target, args, kwargs)`` of the op ``node`` runs, arguments in terms of the outer graph's nodes."""
+    inner = _op_node(node)
+    if inner is node:
+        return node.target, node.args, node.kwargs
+    placeholders = [p for p in inner.graph.nodes if p.op == "placeholder"]
+    outer = dict(zip(placeholders, node.args[2:], strict=True))
+    args, kwargs = fx.node.map_arg((inner.args, inner.kwargs), lambda a: outer.get(a, a))
+    return inner.target, args, kwargs
+
+
+def _target(node: fx.Node) -> Any:
+    return _unwrap(node)[0]
+
+
+def _inputs(node: fx.Node) -> list[fx.Node]:
+    """The data inputs of ``node`` (not the ordering-only deps of a ``control_deps`` wrapper)."""
+    found: list[fx.Node] = []
+    fx.node.map_arg(_unwrap(node)[1:], lambda a: found.append(a) or a)
+    return list(dict.fromkeys(found))
+
+
+def _is_compute(node: fx.Node) -> bool:
+    return node.op == "call_function" and is_compute_node(_op_node(node))
+
+
+def _collective_of_wait(wait: fx.Node) -> fx.Node | None:
+    arg = _unwrap(wait)[1][0]
+    while isinstance(arg, fx.Node) and _target(arg) is operator.getitem:  # coalesced: wait(getitem(coll, i))
+        arg = _unwrap(arg)[1][0]
+    return arg if isinstance(arg, fx.Node) and _target(arg) in _KINDS else None
+
+
 def _collective_bytes(node: fx.Node) -> int:
     """Bytes on the wire per rank's view: the gathered output of an all-gather, the input of a reduce-scatter
     / all-reduce."""
-    kind = _KINDS.get(node.target)
+    kind = _KINDS.get(_target(node))
     if kind == "all_gather":
         return _tensor_bytes(_val(node))
-    return _tensor_bytes(_val(node.args[0]))
+    return _tensor_bytes(_val(_unwrap(node)[1][0]))
 
 
 def _collective_dtype(node: fx.Node) -> str:
@@ -253,8 +299,6 @@ def _module_fqn(node: fx.Node) -> str | None:
 
 
 def _clean_fqn(path: str) -> str:
-    import re
-
     path = re.sub(r"^L\['self'\]\.?", "", path)
     parts = re.findall(r"\['([^']+)'\]", path)
     return ".".join(parts) if parts else path
@@ -263,7 +307,7 @@ def _clean_fqn(path: str) -> str:
 def _moves_data(n: fx.Node) -> bool:
     """Ops between a parameter (or its gradient) and the collective that only move, cast or regroup data:
     views, copies, concatenation / splitting (our buckets), casts, waits, non-aten (bucketing) ops."""
-    target = n.target
+    target = _target(n)
     if target is operator.getitem or target is _c10d.wait_tensor.default:
         return True
     if not isinstance(target, torch._ops.OpOverload):
@@ -279,8 +323,8 @@ def _carried_modules(start: fx.Node, wait: fx.Node | None, max_nodes: int = 2000
     """Best effort: the modules that consume an all-gather's result (through data-movement ops), or that
     produce a reduce-scatter's input (the gradient computations)."""
     found: dict[str, None] = {}
-    forward = _KINDS[start.target] == "all_gather" and wait is not None
-    queue = [*start.users, *wait.users] if forward else list(start.all_input_nodes)
+    forward = _KINDS[_target(start)] == "all_gather" and wait is not None
+    queue = [*start.users, *wait.users] if forward else _inputs(start)
     seen: set[fx.Node] = set()
     while queue and len(seen) < max_nodes:
         n = queue.pop(0)
@@ -288,7 +332,7 @@ def _carried_modules(start: fx.Node, wait: fx.Node | None, max_nodes: int = 2000
             continue
         seen.add(n)
         if _moves_data(n):
-            queue.extend(n.users if forward else n.all_input_nodes)
+            queue.extend(n.users if forward else _inputs(n))
         elif (fqn := _module_fqn(n)) is not None:
             found[fqn] = None
     return sorted(found)
@@ -301,35 +345,58 @@ def describe_collectives(graph: fx.Graph) -> list[dict[str, Any]]:
     pos = {n: i for i, n in enumerate(nodes)}
     waits: dict[fx.Node, fx.Node] = {}
     for n in nodes:
-        if n.op == "call_function" and n.target is _c10d.wait_tensor.default:
-            start = _get_collective_node_from_wait(n)
-            if start is None and isinstance(n.args[0], fx.Node):
-                start = n.args[0]
+        if n.op == "call_function" and _target(n) is _c10d.wait_tensor.default:
+            start = _collective_of_wait(n)
             if start is not None:
                 waits[start] = max(waits.get(start, n), n, key=pos.__getitem__)  # coalesced: the last wait
     out = []
     for n in nodes:
-        if n.op != "call_function" or n.target not in _KINDS:
+        if n.op != "call_function" or _target(n) not in _KINDS:
             continue
         wait = waits.get(n)
         end = pos[wait] if wait is not None else pos[n]
-        overlapped = [m for m in nodes[pos[n] + 1 : end] if is_compute_node(m)]
+        overlapped = [m for m in nodes[pos[n] + 1 : end] if _is_compute(m)]
+        target, args, _ = _unwrap(n)
         out.append(
             {
                 "index": len(out),
                 "node": n.name,
-                "kind": _KINDS[n.target],
-                "group": str(n.args[-1]),  # the process group's name
+                "kind": _KINDS[target],
+                "group": str(args[-1]),  # the process group's name
                 "dtype": _collective_dtype(n),
                 "bytes": _collective_bytes(n),
                 "modules": _carried_modules(n, wait),
                 "overlaps": [
-                    {"node": m.name, "op": str(m.target), "module": _module_fqn(m)} for m in overlapped
+                    {"node": m.name, "op": str(_target(m)), "module": _module_fqn(m)} for m in overlapped
                 ],
                 "exposed": not overlapped,
             }
         )
     return out
+
+
+def overlap_in_generated_code(fn: Callable[[], Any]) -> list[list[int]]:
+    """Run ``fn`` (which must trigger compilation) and read Inductor's generated wrapper code: for each graph,
+    per collective in issue order, how many compute kernels (matmuls, fused C++/Triton kernels) run between
+    its start and its wait. The comm plan shows the order our pass chose; this shows the order that runs."""
+    _, codes = run_and_get_code(fn)
+    result = []
+    for code in codes:
+        started: dict[str, int] = {}
+        gaps: list[int] = []
+        kernels = 0
+        for line in code[code.find("def call"):].splitlines():
+            if "_c10d_functional." in line and ("all_gather" in line or "reduce_scatter" in line
+                                                or "all_reduce" in line):
+                out = re.search(r"out=(\w+)", line) or re.match(r"\s*(\w+) = ", line)
+                if out:
+                    started[out.group(1)] = kernels
+            elif (wait := re.search(r"wait_tensor\.default\((\w+)\)", line)) and wait.group(1) in started:
+                gaps.append(kernels - started.pop(wait.group(1)))
+            elif "extern_kernels." in line or re.search(r"\b(cpp|triton)_\w+(\.run)?\(", line):
+                kernels += 1
+        result.append(gaps)
+    return result
 
 
 class CommPlanRecorder:
@@ -414,7 +481,10 @@ class _OverlapPass(CustomGraphPass):
     def _bucket_and_reorder(self, gm: fx.GraphModule, has_collectives: bool) -> None:
         if has_collectives and self.plan is not None:
             if self.reorder:
-                manual_overlap_bucketing(gm, self.plan, insert_overlap_deps=False)
+                # insert_overlap_deps: pin the order we chose with control_deps. Without them Inductor's own
+                # scheduler (peak-memory reordering) sinks every all-gather back next to its wait, and the
+                # generated code overlaps nothing (measured: 0 compute kernels between any start and wait).
+                manual_overlap_bucketing(gm, self.plan, insert_overlap_deps=True)
             else:
                 scheduler = ManualOverlapScheduler(gm, self.plan, insert_overlap_deps=False)
                 scheduler._manual_bucket_collectives()
@@ -429,7 +499,7 @@ class _OverlapPass(CustomGraphPass):
             kwargs: dict[str, Any] = dict(
                 collective_bucketing=auto,
                 pre_bucketing_fsdp_collectives=False,
-                insert_overlap_deps=False,
+                insert_overlap_deps=True,  # as for manual: keep the overlap in the generated code
                 bucket_only_internode_comms=len(groups) > 1,
             )
             if self.estimator is not None:
