@@ -515,11 +515,11 @@ def known_problem(bucketing: str, reorder: bool, cpu: bool) -> str | None:
     """A setting known to misbehave here, as a warning to print, or None."""
     if cpu and bucketing == "none" and reorder:
         # Measured in the benchmark (debugmodel_large, seq 512): a rank died with heap corruption ("malloc():
-        # unaligned tcache chunk detected") or SIGSEGV in 3 of 8 compute-heavy jobs, with and without our
+        # unaligned tcache chunk detected") or SIGSEGV in 3 of 9 compute-heavy runs, with and without our
         # control_deps; never with transformer_block or auto. Not root-caused (many unbucketed gloo
         # collectives in flight at once is the common factor).
         return ("compile: bucketing = 'none' with reorder = true has crashed intermittently on CPU / gloo "
-                "(heap corruption in one rank, 3 of 8 benchmark jobs); use bucketing = 'transformer_block' or "
+                "(heap corruption in one rank, 3 of 9 benchmark runs); use bucketing = 'transformer_block' or "
                 "'auto'.")
     return None
 
