@@ -26,6 +26,9 @@ backward graph and does, in order:
   before block i's compute (forward and backward prefetch), and block i's reduce-scatter wait is deferred
   past block i-1's; ``none`` + reorder: the overlap scheduler without bucketing; ``auto`` always reorders (its
   bucketing is overlap-driven), ``reorder=False`` is ignored there with a warning.
+  The chosen order is pinned with Inductor's ``control_deps`` (``insert_overlap_deps``): without it,
+  Inductor's own scheduler moves each all-gather back next to its wait and nothing overlaps.
+  ``overlap_in_generated_code`` reads the generated code to check.
 * **comm plan**: the final graph's collectives, recorded (and written to ``dump_folder``) - see
   ``CommPlanRecorder``.
 
