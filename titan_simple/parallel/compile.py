@@ -518,13 +518,13 @@ def known_problem(bucketing: str, reorder: bool, cpu: bool) -> str | None:
     """A setting known to misbehave here, as a warning to print, or None."""
     if cpu and bucketing == "none" and reorder:
         # Measured in the benchmark (debugmodel_large, seq 512): a rank died with heap corruption ("malloc():
-        # unaligned tcache chunk detected") or SIGSEGV in 3 of 9 compute-heavy runs, with and without our
+        # unaligned tcache chunk detected") or SIGSEGV in 4 of 17 compute-heavy runs, with and without our
         # control_deps; never with transformer_block or auto. Not root-caused. A faulthandler trace put the abort
         # at an allocation inside the compiled forward, where up to 66 of its 75 all-gathers were in flight at
         # once (the scheduler hoists them all; max_in_flight_gb=5 does not bind); the generated code reuses
         # no buffer of an in-flight collective, so the suspect is gloo with that many concurrent operations.
         return ("compile: bucketing = 'none' with reorder = true has crashed intermittently on CPU / gloo "
-                "(heap corruption in one rank, 3 of 9 benchmark runs); use bucketing = 'transformer_block' or "
+                "(heap corruption in one rank, 4 of 17 benchmark runs); use bucketing = 'transformer_block' or "
                 "'auto'.")
     return None
 
