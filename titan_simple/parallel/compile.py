@@ -522,7 +522,8 @@ def known_problem(bucketing: str, reorder: bool, cpu: bool) -> str | None:
         # control_deps; never with transformer_block or auto. Not root-caused. A faulthandler trace put the abort
         # at an allocation inside the compiled forward, where up to 66 of its 75 all-gathers were in flight at
         # once (the scheduler hoists them all; max_in_flight_gb=5 does not bind); the generated code reuses
-        # no buffer of an in-flight collective, so the suspect is gloo with that many concurrent operations.
+        # no buffer of an in-flight collective. Capping the scheduler (max_in_flight_gb=0.05: at most 36 in
+        # flight) did not help: 2 crashes in 12 runs. The suspect stays gloo under concurrent operations.
         return ("compile: bucketing = 'none' with reorder = true has crashed intermittently on CPU / gloo "
                 "(heap corruption in one rank, 4 of 17 benchmark runs); use bucketing = 'transformer_block' or "
                 "'auto'.")
