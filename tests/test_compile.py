@@ -81,15 +81,17 @@ def _batch(step: int, rank: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def _train_step(model, optimizer, losses: list[float], rank: int, world_size: int, step: int) -> None:
-    inputs, labels = _batch(step, rank)
+def _train_step(model, optimizer, losses: list[float], dp_rank: int, dp_size: int, dp_group, step: int) -> None:
+    """One step on this data-parallel rank's batch; appends the global mean loss (summed over ``dp_group``)."""
+    inputs, labels = _batch(step, dp_rank)
+    tokens = LOCAL_BATCH * SEQ_LEN * dp_size
     optimizer.zero_grad()
     loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), reduction="sum")
-    (loss / (LOCAL_BATCH * SEQ_LEN * world_size)).backward()
+    (loss / tokens).backward()
     optimizer.step()
     total = loss.detach().clone()
-    dist.all_reduce(total)
-    losses.append(total.item() / (LOCAL_BATCH * SEQ_LEN * world_size))
+    dist.all_reduce(total, group=dp_group)
+    losses.append(total.item() / tokens)
 
 
 def _train_settings(rank: int, world_size: int, settings: list[tuple[str, bool]], dump_root: str) -> dict:
@@ -111,7 +113,7 @@ def _train_settings(rank: int, world_size: int, settings: list[tuple[str, bool]]
         recorder = compile_model(model, backend="inductor", bucketing=bucketing, reorder=reorder, dump_folder=dump)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         losses: list[float] = []
-        step_fn = functools.partial(_train_step, model, optimizer, losses, rank, world_size)
+        step_fn = functools.partial(_train_step, model, optimizer, losses, rank, world_size, None)
         generated = overlap_in_generated_code(functools.partial(step_fn, 0))  # compiles forward and backward
         for step in range(1, STEPS):
             step_fn(step)
@@ -209,17 +211,9 @@ def _train_settings_dp_tp(rank: int, world_size: int, settings: list[tuple[str, 
         materialize_and_init(model, torch.device("cpu"), seed=0)
         recorder = compile_model(model, backend="inductor", bucketing=bucketing, reorder=reorder)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        tokens = LOCAL_BATCH * SEQ_LEN * dp_size
-        losses = []
+        losses: list[float] = []
         for step in range(STEPS):
-            inputs, labels = _batch(step, dp_rank)
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten(), reduction="sum")
-            (loss / tokens).backward()
-            optimizer.step()
-            total = loss.detach().clone()
-            dist.all_reduce(total, group=dp_group)
-            losses.append(total.item() / tokens)
+            _train_step(model, optimizer, losses, dp_rank, dp_size, dp_group, step)
         dp_collectives = sum(c["group"] == dp_group.group_name for g in recorder.graphs.values() for c in g)
         results[f"{bucketing}{'+reorder' if reorder else ''}"] = {"losses": losses, "dp_collectives": dp_collectives}
     return results
@@ -240,8 +234,8 @@ def test_bucketing_and_reordering_on_dp2_tp2_match_none():
               f"max relative loss difference vs none = {rel:.2e}")
         assert rel <= LOSS_RTOL, (key, rel, r["losses"], res["none"]["losses"])
     # The bucketing really happened on the dp dimension.
+    counts = {k: r["dp_collectives"] for k, r in res.items()}
     for key in ("transformer_block", "transformer_block+reorder", "auto+reorder"):
-        counts = {k: r["dp_collectives"] for k, r in res.items()}
         assert res[key]["dp_collectives"] < res["none"]["dp_collectives"], counts
 
 
