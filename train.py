@@ -11,7 +11,7 @@ import logging
 import os
 import sys
 
-from titan_simple.errors import ConfigError, NonFiniteTraining
+from titan_simple.errors import NonFiniteTraining, UserError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
             shutdown_distributed(clean=False)
             raise
         shutdown_distributed()
-    except ConfigError as error:
+    except UserError as error:  # ConfigError, CheckpointError: one line, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
     except NonFiniteTraining as error:

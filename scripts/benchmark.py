@@ -17,7 +17,7 @@ Figures, per rank (every rank measures, the table shows the mean over ranks of t
 median over repeats):
 
 * **tokens/s**: local tokens / step time, the median over the measured steps (after ``--warmup`` steps, which
-  include compilation). Step time = from the end of one ``train_step`` to the end of the next, i.e. the whole
+  include compilation). Step time = from the end of one training step to the end of the next, i.e. the whole
   loop iteration the trainer's own ``throughput(tps)`` covers (data loading, forward, backward, clipping,
   optimizer, the loss all-reduce).
 * **peak RSS** (the one memory method for eager and compiled; CPU has no allocator statistics): the process's
@@ -26,7 +26,7 @@ median over repeats):
   *reserved* bytes it includes what the allocator keeps, plus the Python runtime, libraries and compiled code;
   **step delta** = that peak minus the RSS when the step starts, i.e. what one step adds on top of the state
   that lives across steps (weights, optimizer state, caches).
-* **collectives / step**: all-gathers / reduce-scatters / all-reduces issued inside one ``train_step``: the
+* **collectives / step**: all-gathers / reduce-scatters / all-reduces issued inside one training step: the
   ``c10d::`` ops torch.profiler records on one extra step after the measured ones (one method for eager and
   compiled; FSDP2's per-block all-gathers, SimpleFSDP's per-parameter or bucketed functional collectives and
   the gradient-norm all-reduce alike). For compiled SimpleFSDP the job also keeps the comm plan's counts
@@ -178,13 +178,12 @@ def trainer_overrides(workload: Workload, config: BenchConfig, steps: int, dump_
 # ------------------------------------------------------------------------------------ the worker
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _collective_kind(name: str) -> str | None:
-    """Functional (``all_gather_into_tensor``) and c10d (``_allgather_base_``) op names -> one kind."""
+    """Functional (``all_gather_into_tensor``) and c10d (``_allgather_base_``) op names -> one kind.
+
+    Profiler event names are strings, and most are c10d ops (``c10d::_allgather_base_``, ``c10d::allreduce_``)
+    that are not in ``comm_plan.COLLECTIVE_KINDS`` (the functional ops of compiled graphs, keyed by op
+    overload), so they are matched by substring here; the kinds are the comm plan's names."""
     name = name.lower()
     if "reduce_scatter" in name:
         return "reduce_scatter"
@@ -208,63 +207,64 @@ def count_collectives(op_names: Iterable[str]) -> dict[str, int]:
 
 def matmul_flops_per_second(n: int = 1024, reps: int = 5) -> float:
     """Best-of-``reps`` rate of an ``n x n`` fp32 matmul on one thread."""
+    from titan_simple.planning.measuring import matmul_flops, matmul_seconds, torch_threads
+
+    with torch_threads(1):
+        best = matmul_seconds(n, reps, least=True)
+    return matmul_flops(n) / best
+
+
+def step_probe(trainer: Any, count_last: bool, profile_step: int | None = None, profile_path: str | None = None,
+               rank: int = 0):
+    """A ``StepHooks`` for the trainer's step: times every step, reads the peak RSS of each, and counts the
+    collectives of the last step (which is not timed); with ``profile_step`` (1-based) rank 0 writes a
+    torch.profiler table of that step to ``profile_path`` instead."""
     import torch
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        torch.mm(a, b)
-        best = float("inf")
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - t0)
-    finally:
-        torch.set_num_threads(threads)
-    return 2 * n**3 / best
+    from titan_simple.train.metrics import PEAK_RSS_GIB, MemoryMonitor, rss_bytes
+    from titan_simple.train.step import StepHooks
 
+    class StepProbe(StepHooks):
+        def __init__(self) -> None:
+            self.memory = MemoryMonitor(trainer.device)
+            self.count_last = count_last
+            self.total = trainer.config.training.steps
+            self.starts: list[float] = []
+            self.ends: list[float] = []
+            self.peak_rss: list[int] = []
+            self.start_rss: list[int] = []
+            self.collectives: dict[str, int] = {}
+            self._profiler: torch.profiler.profile | None = None
 
-class StepProbe:
-    """Wraps ``Trainer.train_step``: times every step, reads the peak RSS of each, and counts the collectives
-    of the last step (which is not timed)."""
+        def begin(self) -> None:
+            index = len(self.starts)  # 0-based
+            counting = self.count_last and index == self.total - 1
+            if counting or (profile_step is not None and index == profile_step - 1):
+                # The profiler, not a dispatch mode: compiled graphs run under it unchanged (a dispatch mode
+                # makes Dynamo refuse them), and every collective, functional (compiled, SimpleFSDP eager) or
+                # c10d (FSDP2), ends in exactly one ``c10d::`` op.
+                self._profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+                self._profiler.start()
+            self.memory.reset_peak()
+            self.start_rss.append(rss_bytes())
+            self.starts.append(time.perf_counter())
 
-    def __init__(self, trainer: Any, count_last: bool) -> None:
-        from titan_simple.train.metrics import PEAK_RSS_GIB, MemoryMonitor
+        def end(self, result) -> None:
+            result.local_mean.item()  # make sure the step is done (no-op on CPU, a sync on GPU)
+            if self._profiler is not None:
+                prof, self._profiler = self._profiler, None
+                prof.stop()
+                if profile_step is None:
+                    self.collectives = count_collectives(e.name for e in prof.events())
+                elif rank == 0:
+                    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+                    Path(profile_path).write_text(table)
+                    prof.export_chrome_trace(str(Path(profile_path).with_suffix(".trace.json")))
+            self.ends.append(time.perf_counter())
+            peak = self.memory.read().get(PEAK_RSS_GIB)  # None when the kernel refuses resets
+            self.peak_rss.append(int(peak * 2**30) if peak is not None else -1)
 
-        self.trainer = trainer
-        self.train_step = trainer.train_step
-        self.memory = MemoryMonitor(trainer.device)
-        self.peak_key = PEAK_RSS_GIB
-        self.count_last = count_last
-        self.total = trainer.config.training.steps
-        self.starts: list[float] = []
-        self.ends: list[float] = []
-        self.peak_rss: list[int] = []
-        self.start_rss: list[int] = []
-        self.collectives: dict[str, int] = {}
-
-    def __call__(self, batches):
-        import torch
-
-        counting = self.count_last and len(self.starts) == self.total - 1
-        self.memory.reset_peak()
-        self.start_rss.append(_rss_bytes())
-        self.starts.append(time.perf_counter())
-        if counting:
-            # The profiler, not a dispatch mode: compiled graphs run under it unchanged (a dispatch mode makes
-            # Dynamo refuse them), and every collective, functional (compiled, SimpleFSDP eager) or c10d
-            # (FSDP2), ends in exactly one ``c10d::`` op.
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-                result = self.train_step(batches)
-            self.collectives = count_collectives(e.name for e in prof.events())
-        else:
-            result = self.train_step(batches)
-        result["local_mean"].item()  # make sure the step is done (no-op on CPU, a sync on GPU)
-        self.ends.append(time.perf_counter())
-        peak = self.memory.read().get(self.peak_key)  # None when the kernel refuses resets
-        self.peak_rss.append(int(peak * 2**30) if peak is not None else -1)
-        return result
+    return StepProbe()
 
 
 def worker_main(argv: list[str]) -> None:
@@ -290,10 +290,9 @@ def worker_main(argv: list[str]) -> None:
     t0 = time.perf_counter()
     trainer = Trainer(config)
     build_s = time.perf_counter() - t0
-    probe = StepProbe(trainer, count_last=args.profile is None)
-    trainer.train_step = probe
-    if args.profile:
-        trainer.train_step = _profiled(probe, args.warmup + 1, args.profile, rank)
+    probe = step_probe(trainer, count_last=args.profile is None,
+                       profile_step=args.warmup + 1 if args.profile else None, profile_path=args.profile, rank=rank)
+    trainer.step_fn.hooks = probe
     trainer.train()
 
     if dist.is_initialized():
@@ -301,11 +300,11 @@ def worker_main(argv: list[str]) -> None:
     flops_rate = matmul_flops_per_second()
     steps = len(probe.ends)
     durations = [probe.ends[i] - probe.starts[i] for i in range(steps)]
-    # A step's wall time: from the end of the previous step, so the loop around train_step is included.
+    # A step's wall time: from the end of the previous step, so the loop around the step is included.
     walls = [probe.ends[i] - probe.ends[i - 1] for i in range(1, steps)]
     measured = list(range(args.warmup, steps - (1 if probe.count_last else 0)))
-    t = config.training
-    local_tokens = t.local_batch_size * t.seq_len
+    training = config.training
+    local_tokens = training.local_batch_size * training.seq_len
     mine = {
         "rank": rank,
         "build_s": build_s,
@@ -338,30 +337,6 @@ def worker_main(argv: list[str]) -> None:
 
 def _plan_counts(plan: dict) -> dict[str, dict[str, int]]:
     return {graph: dict(Counter(c["kind"] for c in colls)) for graph, colls in plan["graphs"].items()}
-
-
-def _profiled(probe: StepProbe, step_index: int, path: str, rank: int):
-    """``probe`` with torch.profiler around step ``step_index`` (1-based); rank 0 writes the table."""
-    import torch
-
-    calls = {"n": 0}
-
-    def step(batches):
-        calls["n"] += 1
-        if calls["n"] != step_index:
-            return probe(batches)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=False) as prof:
-            result = probe(batches)
-        if rank == 0:
-            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-            Path(path).write_text(table)
-            prof.export_chrome_trace(str(Path(path).with_suffix(".trace.json")))
-        return result
-
-    return step
-
-
-# ------------------------------------------------------------------------------------ the driver
 
 
 def median(values: Iterable[float]) -> float:

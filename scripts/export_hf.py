@@ -20,7 +20,7 @@ from pathlib import Path
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT_DIR))  # run as a plain script from anywhere
 
-from titan_simple.errors import ConfigError  # noqa: E402
+from titan_simple.errors import ConfigError, UserError  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.max_seq_len:
             model_args = dataclasses.replace(model_args, max_seq_len=args.max_seq_len)
         output = export_hf(checkpoint, args.output, dtype=EXPORT_DTYPES[args.dtype], args=model_args)
-    except ConfigError as error:
+    except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(f"exported {checkpoint} to {output} ({args.dtype})")

@@ -18,7 +18,7 @@ from pathlib import Path
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(PROJECT_DIR))  # run as a plain script from anywhere
 
-from titan_simple.errors import ConfigError  # noqa: E402
+from titan_simple.errors import UserError  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
             model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, seed=args.seed,
             stop_token=tokenizer.eos_id, use_kv_cache=not args.no_kv_cache,
         )
-    except ConfigError as error:
+    except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     print(args.prompt + tokenizer.decode(result.tokens))

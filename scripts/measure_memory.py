@@ -4,8 +4,8 @@
                                                 # between the markers in docs/simple_fsdp_memory.md
     python scripts/measure_memory.py --no-doc   # print the tables only
 
-The model is built exactly as the trainer builds it (meta device -> ``parallelize_llama`` from a JobConfig ->
-``to_empty`` -> seeded init of the shards), ``debugmodel_large`` (8 blocks, dim 512) by default, fully_shard
+The model and its step are the trainer's own (``train.build.build_model_parts``, ``train.step``; the probes below
+watch the step through its ``StepHooks``), ``debugmodel_large`` (8 blocks, dim 512) by default, fully_shard
 on 2 processes, fp32. Each case runs one warm-up step (it creates the optimizer state and, compiled, compiles)
 and measures the second: ``zero_grad`` -> forward -> loss -> backward -> clip -> ``optimizer.step()``.
 
@@ -33,6 +33,7 @@ Two figures, because no single method sees everything on CPU (there are no alloc
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import pickle
@@ -50,18 +51,15 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from titan_simple.config import load_job_config  # noqa: E402
 from titan_simple.models.llama3 import build_model  # noqa: E402
 from titan_simple.parallel.dims import ParallelDims, dp_rank_and_size  # noqa: E402
-from titan_simple.parallel.fsdp2 import gradient_averaging_factor  # noqa: E402
-from titan_simple.parallel.parallelize import parallelize_llama  # noqa: E402
-from titan_simple.parallel.sharded_init import materialize_and_init  # noqa: E402
-from titan_simple.parallel.simple_fsdp import clip_grad_norm_  # noqa: E402
-from titan_simple.train.optim import build_optimizer  # noqa: E402
-from titan_simple.train.trainer import cross_entropy_sum  # noqa: E402
+from titan_simple.planning.measuring import LiveStorageBytes  # noqa: E402
+from titan_simple.train.build import build_model_parts  # noqa: E402
+from titan_simple.train.optim import optimizer_from_config  # noqa: E402
+from titan_simple.train.step import StepHooks, build_train_step  # noqa: E402
 
 DOC = PROJECT_DIR / "docs" / "simple_fsdp_memory.md"
 BEGIN, END = "<!-- measure_memory.py: begin -->", "<!-- measure_memory.py: end -->"
@@ -100,33 +98,15 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
-class LiveTensorBytes(TorchDispatchMode):
+class LiveTensorBytes(LiveStorageBytes):
     """Live bytes of the distinct tensor storages the step holds or touches, and their peak (see the module
-    docstring for exactly what is counted). Storages are keyed by their C++ object, so views and
-    ``resize_`` keep one entry; ``phase`` names the part of the step peaks are attributed to."""
+    docstring for exactly what is counted): the dry run's counter (``LiveStorageBytes``, shared with
+    ``StepTracer``) with every dispatched op's tensors tracked and storage resizes followed. Storages are
+    keyed by their C++ object, so views and ``resize_`` keep one entry; ``phase`` names the part of the step
+    peaks are attributed to."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._sizes: dict[int, int] = {}
-        self.live = 0
-        self.peak = 0
-        self.phase = "start"
-        self.phase_peaks: dict[str, int] = {}
-
-    def add(self, t) -> None:
-        storage = _storage(t)
-        if storage is None:
-            return
-        key = storage._cdata
-        if key in self._sizes:
-            return
-        nbytes = storage.nbytes()
-        self._sizes[key] = nbytes
-        self.live += nbytes
-        weakref.finalize(storage, self._forget, key)
-
-    def _forget(self, key: int) -> None:
-        self.live -= self._sizes.pop(key, 0)
+    def _storage_of(self, t) -> torch.UntypedStorage | None:
+        return _storage(t)
 
     def resized(self, storage: torch.UntypedStorage) -> None:
         key = storage._cdata
@@ -134,15 +114,7 @@ class LiveTensorBytes(TorchDispatchMode):
             self.live += storage.nbytes() - self._sizes[key]
             self._sizes[key] = storage.nbytes()
         else:
-            self.add(torch.empty(0).set_(storage))  # first seen at its new size
-        self.sample()
-
-    def sample(self) -> None:
-        self.peak = max(self.peak, self.live)
-        self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.live)
-
-    def set_phase(self, name: str) -> None:
-        self.phase = name
+            self.track(torch.empty(0).set_(storage))  # first seen at its new size
         self.sample()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -151,7 +123,7 @@ class LiveTensorBytes(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         for t in tree_leaves((args, kwargs, out)):
             if isinstance(t, torch.Tensor):
-                self.add(t)
+                self.track(t)
         self.sample()
         return out
 
@@ -207,13 +179,6 @@ def _config(args, overrides: tuple[str, ...], dump_folder: str):
     )
 
 
-def _build(config, world_size: int, mesh, dims):
-    model = build_model(config.model.flavor, max_seq_len=config.training.seq_len, device="meta")
-    model = parallelize_llama(model, dims, mesh, config, DEVICE)
-    materialize_and_init(model, DEVICE, config.training.seed)
-    return model
-
-
 def _persistent_tensors(model, optimizer, batch) -> list[torch.Tensor]:
     tensors = [p for p in model.parameters()] + [b for b in model.buffers()] + list(batch)
     tensors += [p.grad for p in model.parameters() if p.grad is not None]
@@ -231,45 +196,54 @@ def _storage_bytes(tensors) -> int:
     return sum(seen.values())
 
 
+class _StepProbes(StepHooks):
+    """Watches the training step: the saved-tensor hooks around forward + loss, and (eager) the live-bytes
+    tracker's phases and what the forward keeps for backward."""
+
+    def __init__(self, saved: SavedForBackward, tracker: LiveTensorBytes | None) -> None:
+        self.saved, self.tracker = saved, tracker
+        self._hooks = contextlib.ExitStack()
+        self.before = self.kept = 0
+
+    def phase(self, name: str) -> None:
+        if self.tracker is not None:
+            self.tracker.set_phase(name)
+        if name == "forward":
+            self.before = self.tracker.live if self.tracker is not None else 0
+            self._hooks.enter_context(self.saved.hooks())
+        elif name == "backward":  # the loss is computed: what the forward left for backward is alive now
+            self._hooks.close()
+            self.kept = (self.tracker.live if self.tracker is not None else 0) - self.before
+
+
 def measure_case(rank: int, world_size: int, args, overrides: tuple[str, ...], dump_folder: str) -> dict:
     global _ACTIVE_TRACKER
     config = _config(args, overrides, dump_folder)
     compiled = config.compile.enable
-    p = config.parallelism
-    dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree,
-                        p.pipeline_parallel_degree, world_size)
+    dims = ParallelDims.from_config(config, world_size)
     mesh = dims.build_mesh(DEVICE.type)
     if compiled:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-    model = _build(config, world_size, mesh, dims)
-    o = config.optimizer
-    optimizer = build_optimizer(model, name=o.name, lr=o.lr, eps=o.eps, weight_decay=o.weight_decay,
-                                implementation=o.implementation)
+    parts = build_model_parts(config, dims, mesh, DEVICE)  # the trainer's build
+    model = parts.model
+    optimizer = optimizer_from_config(config, model)
+    train_step = build_train_step(parts, dims, optimizer, max_norm=config.training.max_norm)  # the trainer's step
     dp_rank, dp_size = dp_rank_and_size(mesh, dims)
-    t = config.training
+    training = config.training
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, model.args.vocab_size, (t.local_batch_size * dp_size, t.seq_len + 1), generator=generator)
-    rows = slice(dp_rank * t.local_batch_size, (dp_rank + 1) * t.local_batch_size)
-    inputs, labels = tokens[rows, :-1].contiguous(), tokens[rows, 1:].contiguous()
-    loss_scale = gradient_averaging_factor(model, dims.dp) / tokens[:, 1:].numel()
-
-    def forward():
-        return cross_entropy_sum(model(inputs), labels) * loss_scale
-
-    def update():
-        clip_grad_norm_([q for q in model.parameters() if q.grad is not None], t.max_norm, foreach=True)
-        optimizer.step()
+    tokens = torch.randint(0, model.args.vocab_size, (training.local_batch_size * dp_size, training.seq_len + 1),
+                           generator=generator)
+    rows = slice(dp_rank * training.local_batch_size, (dp_rank + 1) * training.local_batch_size)
+    batch = (tokens[rows, :-1].contiguous(), tokens[rows, 1:].contiguous())
 
     start = time.perf_counter()
-    optimizer.zero_grad()
-    forward().backward()  # warm-up: optimizer state, compilation
-    update()
+    train_step([batch])  # warm-up: optimizer state, compilation
     warmup_s = time.perf_counter() - start
 
-    optimizer.zero_grad()  # what train_step does first: last step's gradients die here
+    optimizer.zero_grad()  # what the step does first: last step's gradients die here
     gc.collect()
-    persistent = _persistent_tensors(model, optimizer, (inputs, labels))
+    persistent = _persistent_tensors(model, optimizer, batch)
     result = {
         "warmup_s": warmup_s,
         "params_bytes": _storage_bytes(list(model.parameters())),
@@ -281,36 +255,26 @@ def measure_case(rank: int, world_size: int, args, overrides: tuple[str, ...], d
     exclude = {s._cdata for s in map(_storage, persistent) if s is not None}
     saved = SavedForBackward(exclude)
     if compiled:
-        with saved.hooks():
-            loss = forward()
+        train_step.hooks = probes = _StepProbes(saved, None)
+        train_step([batch])
         result["saved_bytes"] = saved.nbytes()
-        loss.backward()
-        update()
         counters = torch._dynamo.utils.counters
         result["graph_breaks"] = sum(counters["graph_break"].values())
         result["unique_graphs"] = counters["stats"]["unique_graphs"]
     else:
         tracker = LiveTensorBytes()
         for tensor in persistent:
-            tracker.add(tensor)
+            tracker.track(tensor)
         _ACTIVE_TRACKER = tracker
         try:
             with tracker:
-                tracker.set_phase("forward")
-                before = tracker.live
-                with saved.hooks():
-                    loss = forward()
-                result["kept_bytes"] = tracker.live - before
-                result["saved_bytes"] = saved.nbytes()
-                tracker.set_phase("backward")
-                loss.backward()
-                del loss
-                tracker.set_phase("optimizer")
-                update()
+                train_step.hooks = probes = _StepProbes(saved, tracker)
+                train_step([batch])
                 tracker.set_phase("end")
         finally:
             _ACTIVE_TRACKER = None
-        result.update(start_bytes=before, peak_bytes=tracker.peak, phase_peaks=dict(tracker.phase_peaks))
+        result.update(kept_bytes=probes.kept, saved_bytes=saved.nbytes(), start_bytes=probes.before,
+                      peak_bytes=tracker.peak, phase_peaks=dict(tracker.phase_peaks))
     if rank == 0:
         print(f"  {overrides}: warm-up {warmup_s:.1f} s", flush=True)
     return result

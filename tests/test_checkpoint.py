@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.distributed_utils import run_on_ranks
 from titan_simple.config import load_job_config
-from titan_simple.errors import ConfigError
+from titan_simple.errors import CheckpointError, ConfigError
 from titan_simple.models.hf_llama import (
     from_hf_name,
     half_split_to_interleaved,
@@ -39,6 +39,7 @@ from titan_simple.train.checkpoint import (
     load_model_weights,
 )
 from titan_simple.train.distributed import DistInfo
+from titan_simple.train.step import StepHooks
 from titan_simple.train.trainer import Trainer
 
 TINY = ["--config", "llama3_debug.toml", "--training.seq_len", "32", "--training.local_batch_size", "2",
@@ -53,14 +54,13 @@ def make_trainer(dump: Path, *extra: str, steps: int = 6, dist_info: DistInfo | 
 
 def stop_with_sigterm_after(trainer: Trainer, step: int) -> None:
     """Deliver a real SIGTERM during ``step``: the trainer finishes it, saves, and returns."""
-    original = trainer.train_step
 
-    def train_step(batches):
-        if trainer.step == step:
-            signal.raise_signal(signal.SIGTERM)
-        return original(batches)
+    class Sigterm(StepHooks):
+        def begin(self) -> None:
+            if trainer.step == step:
+                signal.raise_signal(signal.SIGTERM)
 
-    trainer.train_step = train_step
+    trainer.step_fn.hooks = Sigterm()
 
 
 def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -119,7 +119,7 @@ def test_keep_latest_k_and_a_failing_save_leaves_older_checkpoints(tmp_path, mon
         return original_write(self, plan, planner)
 
     monkeypatch.setattr(dcp.FileSystemWriter, "write_data", write_data)
-    with pytest.raises(ConfigError) as failure:
+    with pytest.raises(CheckpointError) as failure:
         trainer.train()
     message = str(failure.value)
     assert "\n" not in message and "saving step 3" in message and "No space left on device" in message
@@ -150,12 +150,12 @@ def test_corrupt_or_mismatched_checkpoints_fail_with_one_line(tmp_path):
 
     (shard,) = step.glob("*.distcp")
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # truncated
-    with pytest.raises(ConfigError, match="corrupt or truncated") as failure:
+    with pytest.raises(CheckpointError, match="corrupt or truncated") as failure:
         make_trainer(tmp_path, "--checkpoint.enable", steps=4)
     assert "\n" not in str(failure.value)
 
     (step / ".metadata").write_bytes(b"garbage")
-    with pytest.raises(ConfigError, match=r"\.metadata is unreadable"):
+    with pytest.raises(CheckpointError, match=r"\.metadata is unreadable"):
         load_model_weights(str(step), plain)
     with pytest.raises(ConfigError, match="does not exist"):
         load_model_weights(str(tmp_path / "nowhere"), plain)

@@ -1,7 +1,8 @@
 """Pipeline parallel: stage planning and placement, the config checks, stage init, and parity with one process.
 
-The parity runs build the model the trainer's way (``plan_pipeline`` -> ``build_pipeline``: split the meta model,
-``parallelize_llama`` each stage, ``materialize_and_init``, PipelineStage + schedule) and train the debug model
+The parity runs build and train the model with the trainer's own code (``tests/parity.py``:
+``train.build.build_model_parts`` -> ``build_pipeline``: split the meta model, ``parallelize_llama`` each stage,
+``materialize_and_init``, PipelineStage + schedule; ``train.step.PipelineStep``) and train the debug model
 (6 layers, fp32) for 10 AdamW steps on a fixed global batch per step, clipping over all stages. The reference is
 the same recipe on one process without pipelining. Two spawned jobs run all multi-process checks, so processes
 start and compilations happen once per job: 2 ranks (pp2 with every schedule eager, 1F1B and ZBVZeroBubble
@@ -16,26 +17,18 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from tests import parity
 from tests.distributed_utils import run_on_ranks
+from tests.parity import Recipe, build_layout, max_rel_diff, train_steps
 from titan_simple.config import load_job_config
 from titan_simple.errors import ConfigError
 from titan_simple.models.llama3 import build_model
-from titan_simple.parallel.dims import ParallelDims, dp_rank_and_size
-from titan_simple.parallel.fsdp2 import gradient_averaging_factor
-from titan_simple.parallel.parallelize import parallelize_llama
-from titan_simple.parallel.pipeline import (
-    PipelinePlan,
-    build_pipeline,
-    clip_grad_norm_,
-    plan_pipeline,
-    split_stage,
-)
+from titan_simple.parallel.clip_grad import clip_grad_norm_
+from titan_simple.parallel.pipeline import PipelinePlan, plan_pipeline, split_stage
 from titan_simple.parallel.sharded_init import materialize_and_init
 from titan_simple.train.distributed import DistInfo
-from titan_simple.train.optim import build_optimizer
-from titan_simple.train.trainer import Trainer, cross_entropy_sum
+from titan_simple.train.trainer import Trainer
 
 FLAVOR = "debugmodel"
 N_LAYERS = 6
@@ -240,80 +233,18 @@ def test_clip_without_pp_group_is_the_plain_global_norm():
 # ---------------------------------------------------------------------------------------------- parity
 
 
-def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1234 + step)
-    tokens = torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ_LEN + 1), generator=g)
-    return tokens[:, :-1], tokens[:, 1:]
-
-
-def _full_grads(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
-    """Every rank of a stage's dp group must call (full_tensor is a collective)."""
-    grads = {}
-    for part in parts:
-        for name, p in part.named_parameters():
-            grads[name] = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.detach().clone()
-    return grads
+RECIPE = Recipe(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, steps=STEPS, lr=LR, max_norm=MAX_NORM)
 
 
 def train_reference() -> dict:
-    """One process, no pipeline: the trainer's recipe, the whole global batch per step."""
-    config = job_config(f"--training.local_batch_size={GLOBAL_BATCH}")
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
-    model = parallelize_llama(build_model(FLAVOR, max_seq_len=SEQ_LEN, device="meta"), dims, None, config, DEVICE)
-    materialize_and_init(model, DEVICE, config.training.seed)
-    optimizer = build_optimizer(model, name="AdamW", lr=LR, eps=1e-8, weight_decay=0.1)
-    out: dict = {"losses": [], "norms": []}
-    for step in range(STEPS):
-        inputs, labels = global_batch(step)
-        optimizer.zero_grad()
-        loss_sum = cross_entropy_sum(model(inputs), labels)
-        (loss_sum / labels.numel()).backward()
-        if step == 0:
-            out["grads"] = _full_grads([model])
-        out["norms"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        optimizer.step()
-        out["losses"].append(loss_sum.item() / labels.numel())
-    return out
+    """One process, no pipeline: the trainer's step on the whole global batch."""
+    return parity.train_reference(RECIPE)
 
 
 def train_pipelined(config, world_size: int, keep_grads: bool) -> dict:
-    p = config.parallelism
-    dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree,
-                        p.pipeline_parallel_degree, world_size)
-    mesh = dims.build_mesh(DEVICE.type)
-    model = build_model(FLAVOR, max_seq_len=SEQ_LEN, device="meta")
-    plan = plan_pipeline(config, N_LAYERS, dims.pp)
-    run = build_pipeline(model, dims, mesh, config, DEVICE, plan, cross_entropy_sum)
-    params = [q for part in run.model_parts for q in part.parameters()]
-    optimizer = build_optimizer(nn.ModuleList(run.model_parts), name="AdamW", lr=LR, eps=1e-8, weight_decay=0.1)
-    dp_rank, dp_size = dp_rank_and_size(mesh, dims)
-    rows = GLOBAL_BATCH // dp_size
-    if config.compile.enable:
-        torch._dynamo.reset()
-        torch._dynamo.utils.counters.clear()
-    out: dict = {"losses": [], "norms": [], "stages": [stage.stage_index for stage in run.stages]}
-    for step in range(STEPS):
-        inputs, labels = global_batch(step)
-        part_rows = slice(dp_rank * rows, (dp_rank + 1) * rows)
-        optimizer.zero_grad()
-        loss_scale = gradient_averaging_factor(run.model_parts[0], dims.dp) / labels.numel()  # FSDP2 averages
-        loss_sum = run.step(inputs[part_rows], labels[part_rows], loss_scale)
-        loss_sum = run.sum_over_stages(loss_sum if loss_sum is not None else torch.zeros(()))
-        if step == 0 and keep_grads:
-            grads = _full_grads(run.model_parts)
-            everyone: list = [None] * world_size
-            dist.all_gather_object(everyone, grads)
-            out["grads"] = {k: v for rank_grads in everyone for k, v in rank_grads.items()}
-            out["grad_types"] = {type(q.grad).__name__ for q in params}
-        out["norms"].append(run.clip_grad_norm_([q for q in params if q.grad is not None], MAX_NORM).item())
-        optimizer.step()
-        if dims.dp_enabled:
-            dist.all_reduce(loss_sum, group=mesh["dp_shard"].get_group())
-        out["losses"].append(loss_sum.item() / labels.numel())
-    if config.compile.enable:
-        counters = torch._dynamo.utils.counters
-        out["graph_breaks"] = dict(counters["graph_break"])
-        out["unique_graphs"] = counters["stats"]["unique_graphs"]
+    layout = build_layout(config, world_size)
+    out = train_steps(layout, RECIPE, keep_grads=keep_grads)
+    out["stages"] = [stage.stage_index for stage in layout.parts.pipeline.stages]
     return out
 
 
@@ -381,27 +312,8 @@ def four_ranks() -> list[dict]:
     return run_on_ranks(_run_configs, 4, args=(FOUR_RANK_CONFIGS,))
 
 
-def max_rel_diff(values, expected) -> float:
-    return max(abs(v - e) / abs(e) for v, e in zip(values, expected, strict=True))
-
-
-def max_grad_diff(grads, expected) -> float:
-    scale = max(g.abs().max().item() for g in expected.values())
-    assert grads.keys() == expected.keys()
-    return max((grads[k] - expected[k]).abs().max().item() for k in expected) / scale
-
-
 def assert_parity(results: list[dict], key: str, reference: dict, rtol: float, norm_rtol: float | None = None) -> None:
-    for rank_result in results:  # every rank reports the global losses and norms
-        run = rank_result[key]
-        assert max_rel_diff(run["losses"], reference["losses"]) <= rtol, (key, run["losses"], reference["losses"])
-        assert max_rel_diff(run["norms"], reference["norms"]) <= (norm_rtol or rtol), (key, run["norms"],
-                                                                                         reference["norms"])
-    run = results[0][key]
-    if "grads" in run:
-        assert max_grad_diff(run["grads"], reference["grads"]) <= GRAD_RTOL, key
-    if "graph_breaks" in run:
-        assert run["graph_breaks"] == {}
+    parity.assert_parity(results, key, reference, rtol, norm_rtol=norm_rtol, grad_rtol=GRAD_RTOL)
 
 
 def test_reference_trains(reference):

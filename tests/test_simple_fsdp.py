@@ -32,10 +32,10 @@ from titan_simple.parallel.activation_checkpoint import (
     is_view_op,
     reshard_policy,
 )
+from titan_simple.parallel.clip_grad import clip_grad_norm_
 from titan_simple.parallel.sharded_init import layout_invariant_init
 from titan_simple.parallel.simple_fsdp import (
     MixedPrecisionPolicy,
-    clip_grad_norm_,
     data_parallel,
     sharded_parameters,
 )

@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from titan_simple.config import load_job_config
 from titan_simple.errors import NonFiniteTraining
+from titan_simple.train.step import StepHooks
 from titan_simple.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,18 +88,20 @@ def test_torchrun_two_processes_simple_fsdp_matches_fsdp2(tmp_path):
 
 
 def _poison_step(trainer: Trainer, bad_step: int) -> list[int]:
-    """Make the gradient norm NaN at ``bad_step`` (as a NaN loss would); return the steps the optimizer took."""
-    clip, optimizer_step, stepped = trainer._clip_gradients, trainer.optimizer.step, []
+    """Make a gradient NaN at ``bad_step`` after its backward (as a NaN loss would); return the steps the
+    optimizer took."""
+    optimizer_step, stepped = trainer.optimizer.step, []
 
-    def poisoned_clip():
-        norm = clip()
-        return torch.full_like(norm, float("nan")) if trainer.step == bad_step else norm
+    class Poison(StepHooks):
+        def phase(self, name: str) -> None:
+            if name == "optimizer" and trainer.step == bad_step:
+                next(p for p in trainer.parts.parameters() if p.grad is not None).grad.fill_(float("nan"))
 
     def counting_step(*args, **kwargs):
         stepped.append(trainer.step)
         return optimizer_step(*args, **kwargs)
 
-    trainer._clip_gradients, trainer.optimizer.step = poisoned_clip, counting_step
+    trainer.step_fn.hooks, trainer.optimizer.step = Poison(), counting_step
     return stepped
 
 

@@ -520,77 +520,82 @@ def _require(ok: bool, config: JobConfig, section: str, key: str, expected: str)
 
 def validate(config: JobConfig) -> None:
     """Value checks that need no hardware (world-size checks live in ParallelDims)."""
-    t, p, o, s = config.training, config.parallelism, config.optimizer, config.lr_scheduler
-    _require(t.steps > 0, config, "training", "steps", "a positive number of steps")
-    _require(t.local_batch_size > 0, config, "training", "local_batch_size", "a positive integer")
-    _require(t.global_batch_size == -1 or t.global_batch_size > 0, config, "training", "global_batch_size",
-             "-1 or a positive integer")
-    _require(t.seq_len > 0, config, "training", "seq_len", "a positive integer")
-    _require(t.max_norm >= 0, config, "training", "max_norm", ">= 0 (0 disables clipping)")
-    _require(o.lr > 0, config, "optimizer", "lr", "a positive learning rate")
-    _require(o.eps > 0, config, "optimizer", "eps", "a positive epsilon")
-    _require(o.weight_decay >= 0, config, "optimizer", "weight_decay", ">= 0")
-    _require(s.warmup_steps >= 0, config, "lr_scheduler", "warmup_steps", ">= 0")
-    _require(s.decay_ratio is None or 0 <= s.decay_ratio <= 1, config, "lr_scheduler", "decay_ratio",
-             "none or a fraction in [0, 1]")
-    _require(0 <= s.min_lr_factor <= 1, config, "lr_scheduler", "min_lr_factor", "a fraction in [0, 1]")
+    training, parallelism = config.training, config.parallelism
+    optimizer, lr_scheduler = config.optimizer, config.lr_scheduler
+    _require(training.steps > 0, config, "training", "steps", "a positive number of steps")
+    _require(training.local_batch_size > 0, config, "training", "local_batch_size", "a positive integer")
+    _require(training.global_batch_size == -1 or training.global_batch_size > 0, config, "training",
+             "global_batch_size", "-1 or a positive integer")
+    _require(training.seq_len > 0, config, "training", "seq_len", "a positive integer")
+    _require(training.max_norm >= 0, config, "training", "max_norm", ">= 0 (0 disables clipping)")
+    _require(optimizer.lr > 0, config, "optimizer", "lr", "a positive learning rate")
+    _require(optimizer.eps > 0, config, "optimizer", "eps", "a positive epsilon")
+    _require(optimizer.weight_decay >= 0, config, "optimizer", "weight_decay", ">= 0")
+    _require(lr_scheduler.warmup_steps >= 0, config, "lr_scheduler", "warmup_steps", ">= 0")
+    _require(lr_scheduler.decay_ratio is None or 0 <= lr_scheduler.decay_ratio <= 1, config, "lr_scheduler",
+             "decay_ratio", "none or a fraction in [0, 1]")
+    _require(0 <= lr_scheduler.min_lr_factor <= 1, config, "lr_scheduler", "min_lr_factor", "a fraction in [0, 1]")
     ac = config.activation_checkpoint
     _require(ac.selective_ac_option == "op" or (ac.selective_ac_option.isdigit() and int(ac.selective_ac_option) > 0),
              config, "activation_checkpoint", "selective_ac_option", "'op' or a positive integer N (every N-th block)")
     _require(config.metrics.log_freq > 0, config, "metrics", "log_freq", "a positive integer")
     for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree"):
-        _require(getattr(p, key) >= 1, config, "parallelism", key, "an integer >= 1")
-    _require(p.data_parallel_shard_degree == -1 or p.data_parallel_shard_degree >= 1, config, "parallelism",
-             "data_parallel_shard_degree", "-1 (the rest of the world) or an integer >= 1")
-    c = config.compile
-    _require(not c.manual_bucketed_modules or c.bucketing == "transformer_block", config, "compile",
-             "manual_bucketed_modules", "[] unless bucketing = 'transformer_block' (the manual plan)")
+        _require(getattr(parallelism, key) >= 1, config, "parallelism", key, "an integer >= 1")
+    _require(parallelism.data_parallel_shard_degree == -1 or parallelism.data_parallel_shard_degree >= 1, config,
+             "parallelism", "data_parallel_shard_degree", "-1 (the rest of the world) or an integer >= 1")
+    compile_config = config.compile
+    _require(not compile_config.manual_bucketed_modules or compile_config.bucketing == "transformer_block", config,
+             "compile", "manual_bucketed_modules", "[] unless bucketing = 'transformer_block' (the manual plan)")
     _validate_pipeline(config)
     _validate_checkpoint(config)
     _validate_validation_and_profiling(config)
 
 
 def _validate_validation_and_profiling(config: JobConfig) -> None:
-    v, pr = config.validation, config.profiling
-    _require(v.freq > 0, config, "validation", "freq", "a positive number of steps")
-    _require(v.steps == -1 or v.steps > 0, config, "validation", "steps", "-1 (the whole held-out set) or > 0")
-    _require(v.local_batch_size == -1 or v.local_batch_size > 0, config, "validation", "local_batch_size",
-             "-1 (as [training]) or a positive integer")
-    _require(v.seq_len == -1 or 0 < v.seq_len <= config.training.seq_len, config, "validation", "seq_len",
-             f"-1 (as [training]) or 1..[training] seq_len = {config.training.seq_len} (the model's longest)")
-    _require(pr.profiler_active > 0, config, "profiling", "profiler_active", "a positive number of steps")
-    _require(pr.profiler_warmup >= 0, config, "profiling", "profiler_warmup", ">= 0")
-    _require(pr.profile_freq >= pr.profiler_warmup + pr.profiler_active, config, "profiling", "profile_freq",
-             f">= profiler_warmup + profiler_active = {pr.profiler_warmup + pr.profiler_active}")
+    validation, profiling = config.validation, config.profiling
+    _require(validation.freq > 0, config, "validation", "freq", "a positive number of steps")
+    _require(validation.steps == -1 or validation.steps > 0, config, "validation", "steps",
+             "-1 (the whole held-out set) or > 0")
+    _require(validation.local_batch_size == -1 or validation.local_batch_size > 0, config, "validation",
+             "local_batch_size", "-1 (as [training]) or a positive integer")
+    training_seq_len = config.training.seq_len
+    _require(validation.seq_len == -1 or 0 < validation.seq_len <= training_seq_len, config, "validation", "seq_len",
+             f"-1 (as [training]) or 1..[training] seq_len = {training_seq_len} (the model's longest)")
+    _require(profiling.profiler_active > 0, config, "profiling", "profiler_active", "a positive number of steps")
+    _require(profiling.profiler_warmup >= 0, config, "profiling", "profiler_warmup", ">= 0")
+    recorded = profiling.profiler_warmup + profiling.profiler_active
+    _require(profiling.profile_freq >= recorded, config, "profiling", "profile_freq",
+             f">= profiler_warmup + profiler_active = {recorded}")
 
 
 def _validate_checkpoint(config: JobConfig) -> None:
-    ck = config.checkpoint
-    _require(ck.interval > 0, config, "checkpoint", "interval", "a positive number of steps")
-    _require(ck.keep_latest_k >= 0, config, "checkpoint", "keep_latest_k", ">= 0 (0 keeps all)")
-    _require(ck.load_step >= -1, config, "checkpoint", "load_step", "-1 (the newest) or a step >= 0")
+    checkpoint = config.checkpoint
+    _require(checkpoint.interval > 0, config, "checkpoint", "interval", "a positive number of steps")
+    _require(checkpoint.keep_latest_k >= 0, config, "checkpoint", "keep_latest_k", ">= 0 (0 keeps all)")
+    _require(checkpoint.load_step >= -1, config, "checkpoint", "load_step", "-1 (the newest) or a step >= 0")
     loadable = ("optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
-    _require(all(part in loadable for part in ck.exclude_from_loading), config, "checkpoint", "exclude_from_loading",
-             f"a list of: {', '.join(loadable)}")
-    _require(bool(ck.folder) and not Path(ck.folder).is_absolute(), config, "checkpoint", "folder",
+    _require(all(part in loadable for part in checkpoint.exclude_from_loading), config, "checkpoint",
+             "exclude_from_loading", f"a list of: {', '.join(loadable)}")
+    _require(bool(checkpoint.folder) and not Path(checkpoint.folder).is_absolute(), config, "checkpoint", "folder",
              "a relative folder name (it lives under [job] dump_folder)")
 
 
 def _validate_pipeline(config: JobConfig) -> None:
     """The pipeline keys on their own; the checks against the model's layers live in parallel/pipeline.py."""
-    p = config.parallelism
-    _require(p.pipeline_parallel_microbatch_size >= 1, config, "parallelism", "pipeline_parallel_microbatch_size",
-             "a positive integer")
-    _require(p.pipeline_parallel_layers_per_stage is None or p.pipeline_parallel_layers_per_stage >= 1, config,
-             "parallelism", "pipeline_parallel_layers_per_stage", "none or a positive integer")
-    points = p.pipeline_parallel_split_points
+    parallelism = config.parallelism
+    _require(parallelism.pipeline_parallel_microbatch_size >= 1, config, "parallelism",
+             "pipeline_parallel_microbatch_size", "a positive integer")
+    layers_per_stage = parallelism.pipeline_parallel_layers_per_stage
+    _require(layers_per_stage is None or layers_per_stage >= 1, config, "parallelism",
+             "pipeline_parallel_layers_per_stage", "none or a positive integer")
+    points = parallelism.pipeline_parallel_split_points
     starts = [int(s.removeprefix("layers.")) if s.startswith("layers.") and s[7:].isdigit() else -1 for s in points]
     _require(all(start >= 1 for start in starts) and starts == sorted(set(starts)), config, "parallelism",
              "pipeline_parallel_split_points", "strictly increasing layer names 'layers.N' (N >= 1), e.g. "
              "['layers.2', 'layers.4']")
-    if p.pipeline_parallel_degree > 1:
-        _require(config.training.local_batch_size % p.pipeline_parallel_microbatch_size == 0, config, "parallelism",
-                 "pipeline_parallel_microbatch_size",
+    if parallelism.pipeline_parallel_degree > 1:
+        _require(config.training.local_batch_size % parallelism.pipeline_parallel_microbatch_size == 0, config,
+                 "parallelism", "pipeline_parallel_microbatch_size",
                  f"a divisor of [training] local_batch_size = {config.training.local_batch_size}")
 
 

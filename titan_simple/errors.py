@@ -1,13 +1,23 @@
-"""The one exception type that reaches the user as a single line.
+"""The exceptions that reach the user as a single line.
 
-Anything the user can fix (a config key, a path, a parallel degree) raises ``ConfigError``; ``train.py``
-prints ``error: <message>`` and exits with status 2, with no traceback. Everything else is a bug and keeps
-its traceback.
+Anything the user can fix raises a ``UserError``: ``ConfigError`` for the input (a config key, a path, a
+parallel degree), ``CheckpointError`` for a checkpoint that cannot be read or written (corrupt, truncated, a
+full disk). ``train.py`` prints ``error: <message>`` and exits with status 2, with no traceback. Everything
+else is a bug and keeps its traceback.
 """
 
 
-class ConfigError(Exception):
-    """A problem in the user's input; the message names what is wrong, where, and how to fix it."""
+class UserError(Exception):
+    """A problem the user can fix; the message names what is wrong, where, and how to fix it."""
+
+
+class ConfigError(UserError):
+    """A problem in the user's input: a config key or value, a path, the parallel degrees."""
+
+
+class CheckpointError(UserError):
+    """A checkpoint cannot be read (corrupt, truncated) or written (disk full, permissions); older complete
+    checkpoints are never touched."""
 
 
 class NonFiniteTraining(Exception):

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from functools import partial
 
 import torch
+import torch.distributed.tensor  # noqa: F401 -- registers the _c10d_functional ops named below
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 

@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan_simple.errors import ConfigError
 from titan_simple.models.llama3 import ModelArgs, ffn_hidden_dim
+from titan_simple.parallel.torch_private import flatten_mesh
 
 if TYPE_CHECKING:
     from titan_simple.config import JobConfig
@@ -48,6 +49,15 @@ class ParallelDims:
                 f"(data_parallel_shard_degree = -1 fills in the rest)."
             )
 
+    @classmethod
+    def from_config(cls, config: JobConfig, world_size: int) -> ParallelDims:
+        """The degrees of ``[parallelism]`` for ``world_size`` processes (raises the one-line error if they do
+        not fit)."""
+        parallelism = config.parallelism
+        return cls(dp_replicate=parallelism.data_parallel_replicate_degree,
+                   dp_shard=parallelism.data_parallel_shard_degree, tp=parallelism.tensor_parallel_degree,
+                   pp=parallelism.pipeline_parallel_degree, world_size=world_size)
+
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
@@ -80,7 +90,7 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, tuple(dims.values()), mesh_dim_names=tuple(dims))
         dp_names = tuple(name for name in ("dp_replicate", "dp_shard") if name in dims)
         if len(dp_names) == 2:
-            mesh[dp_names]._flatten("dp")
+            flatten_mesh(mesh[dp_names], "dp")
         return mesh
 
     @cached_property

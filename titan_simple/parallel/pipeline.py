@@ -1,7 +1,8 @@
 """Pipeline parallel: split the model into stages by layers, place them on the pp ranks, run a schedule.
 
     plan = plan_pipeline(config, n_layers, pp)            # pure: checks the config, no communication
-    run = build_pipeline(model, dims, mesh, config, device, plan, loss_sum_fn)
+    run = build_pipeline(model, dims, mesh, config, device, plan)
+    run.loss_fn = loss_fn                                 # set by train/step.py: the training loss
     loss_sum = run.step(inputs, labels, loss_scale)       # forward + backward of one local batch
 
 **Stages.** A stage is a deep copy of the (meta) model in which the layers it does not own are deleted and
@@ -31,7 +32,8 @@ a stage gets exactly the values the whole model gets, whichever modules come bef
 
 **Loss.** The schedule splits the local batch into ``local_batch_size / microbatch_size`` microbatches along
 dim 0, calls the loss function per microbatch on the last stage and backpropagates each; the gradients add
-up. The loss function is ``summed cross-entropy x loss_scale`` with ``loss_scale = 1 / global tokens`` (the
+up. The loss function is the training step's (``train/step.py`` sets ``loss_fn``): ``summed cross-entropy x
+loss_scale`` with ``loss_scale = 1 / global tokens`` (the
 trainer's scaling), and the schedule's own 1/n_microbatches scaling is off (``scale_grads=False``): the sum over
 microbatches and dp ranks is then exactly the single-process gradient.
 """
@@ -41,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +58,7 @@ from titan_simple.errors import ConfigError
 from titan_simple.parallel.dims import ParallelDims
 from titan_simple.parallel.parallelize import ZERO_BUBBLE_SCHEDULES, parallelize_llama
 from titan_simple.parallel.sharded_init import materialize_and_init
-from titan_simple.parallel.simple_fsdp import grad_norm
+from titan_simple.parallel.torch_private import no_donated_buffers
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
 SINGLE_STAGE_SCHEDULES = frozenset({"GPipe", "1F1B"})
@@ -107,27 +109,27 @@ def _parse_split_point(point: str, n_layers: int) -> int:
 
 def plan_pipeline(config: JobConfig, n_layers: int, pp: int) -> PipelinePlan:
     """Check the pipeline settings against the model and the pp degree (no communication) and plan the stages."""
-    p, t = config.parallelism, config.training
-    schedule = p.pipeline_parallel_schedule
+    parallelism, training = config.parallelism, config.training
+    schedule = parallelism.pipeline_parallel_schedule
     per_rank_needed = 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
 
-    if p.pipeline_parallel_split_points and p.pipeline_parallel_layers_per_stage is not None:
+    if parallelism.pipeline_parallel_split_points and parallelism.pipeline_parallel_layers_per_stage is not None:
         raise ConfigError(
             "[parallelism] pipeline_parallel_split_points and pipeline_parallel_layers_per_stage both set; "
             "give one of them (or neither for an even split)."
         )
-    if p.pipeline_parallel_split_points:
-        starts = [_parse_split_point(point, n_layers) for point in p.pipeline_parallel_split_points]
+    if parallelism.pipeline_parallel_split_points:
+        starts = [_parse_split_point(point, n_layers) for point in parallelism.pipeline_parallel_split_points]
         if any(b <= a for a, b in zip(starts, starts[1:], strict=False)):
             raise ConfigError(
-                f"[parallelism] pipeline_parallel_split_points = {p.pipeline_parallel_split_points} must name "
-                f"strictly increasing layers, e.g. ['layers.2', 'layers.4']."
+                f"[parallelism] pipeline_parallel_split_points = {parallelism.pipeline_parallel_split_points} must "
+                f"name strictly increasing layers, e.g. ['layers.2', 'layers.4']."
             )
         bounds = [0, *starts, n_layers]
         sizes = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
-        how = f"pipeline_parallel_split_points = {p.pipeline_parallel_split_points} make"
-    elif p.pipeline_parallel_layers_per_stage is not None:
-        per_stage = p.pipeline_parallel_layers_per_stage
+        how = f"pipeline_parallel_split_points = {parallelism.pipeline_parallel_split_points} make"
+    elif parallelism.pipeline_parallel_layers_per_stage is not None:
+        per_stage = parallelism.pipeline_parallel_layers_per_stage
         num_stages = math.ceil(n_layers / per_stage)
         sizes = [per_stage] * (num_stages - 1) + [n_layers - per_stage * (num_stages - 1)]
         how = f"pipeline_parallel_layers_per_stage = {per_stage} makes"
@@ -165,7 +167,7 @@ def plan_pipeline(config: JobConfig, n_layers: int, pp: int) -> PipelinePlan:
             f"use {2 * pp} stages."
         )
 
-    n_microbatches = t.local_batch_size // p.pipeline_parallel_microbatch_size
+    n_microbatches = training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
     if schedule == "1F1B" and n_microbatches < num_stages:
         raise ConfigError(
             f"[parallelism] 1F1B needs at least as many microbatches as stages ({num_stages}), but "
@@ -215,14 +217,15 @@ class PipelineRun:
     """
 
     def __init__(self, plan: PipelinePlan, model_parts: list[nn.Module], stages: list[PipelineStage],
-                 pp_group: dist.ProcessGroup, loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+                 pp_group: dist.ProcessGroup):
         self.plan = plan
         self.model_parts = model_parts
         self.stages = stages
         self.pp_group = pp_group
         self.has_first_stage = any(stage.is_first for stage in stages)
         self.has_last_stage = any(stage.is_last for stage in stages)
-        self._loss_sum_fn = loss_sum_fn
+        # (output, labels, loss_scale) -> the scaled loss of one microbatch; the training step sets it.
+        self.loss_fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
         self._loss_scale = 1.0
         schedule_class = get_schedule_class(plan.schedule)
         # scale_grads=False: the loss is already divided by the global token count, the sum is the gradient.
@@ -238,11 +241,13 @@ class PipelineRun:
         gradients, ``retain_graph=True``); a backward compiled with donated buffers refuses that. Compilation
         happens at the first call, inside ``step``."""
         if self.plan.schedule in ZERO_BUBBLE_SCHEDULES:
-            return torch._functorch.config.patch(donated_buffer=False)
+            return no_donated_buffers()
         return contextlib.nullcontext()
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return self._loss_sum_fn(logits, labels) * self._loss_scale
+        if self.loss_fn is None:
+            raise RuntimeError("PipelineRun: no loss_fn; build the training step (train/step.py) first.")
+        return self.loss_fn(logits, labels, self._loss_scale)
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float) -> torch.Tensor | None:
         self._loss_scale = loss_scale
@@ -277,10 +282,6 @@ class PipelineRun:
         dist.all_reduce(total, group=self.pp_group)
         return total
 
-    def clip_grad_norm_(self, parameters: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-        """Clip every stage's gradients to one global norm (see the module-level ``clip_grad_norm_``)."""
-        return clip_grad_norm_(parameters, max_norm, self.pp_group, foreach=True)
-
     def describe(self) -> str:
         plan = self.plan
         layers = ", ".join(f"{s[0]}-{s[-1]}" if len(s) > 1 else str(s[0]) for s in plan.stage_layers)
@@ -296,7 +297,8 @@ def build_pipeline(
     config: JobConfig,
     device: torch.device,
     plan: PipelinePlan,
-    loss_sum_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    materialize: bool = True,
 ) -> PipelineRun:
     """Split the meta ``model`` into this rank's stages, parallelize, materialize and initialize each, and
     wrap them in the planned schedule. Every rank of the world calls it."""
@@ -306,43 +308,11 @@ def build_pipeline(
     for stage_index in plan.stages_of_rank(pp_rank):
         part = split_stage(model, plan, stage_index)
         part = parallelize_llama(part, dims, mesh, config, device)
-        materialize_and_init(part, device, config.training.seed)
+        if materialize:
+            materialize_and_init(part, device, config.training.seed)
         parts.append(part)
         # get_mesh: the stage's first step infers the shapes of what it sends and receives; DTensor
         # activations (tensor parallel) name their mesh, which the receiving stage looks up in ours.
         stages.append(PipelineStage(part, stage_index, plan.num_stages, device, group=pp_mesh.get_group(),
                                     get_mesh=lambda names, _layout: mesh[names]))
-    return PipelineRun(plan, parts, stages, pp_mesh.get_group(), loss_sum_fn)
-
-
-# ---------------------------------------------------------------------------------------------- clipping
-
-
-def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor],
-    max_norm: float,
-    pp_group: dist.ProcessGroup | None,
-    norm_type: float = 2.0,
-    foreach: bool | None = None,
-) -> torch.Tensor:
-    """Clip to a global ``max_norm`` over all stages; return the global norm (the same on every rank).
-
-    Each rank's norm covers its stages' (dp-sharded) gradients; the pp ranks then combine theirs: a sum of
-    ``norm ** p`` (a max for the inf-norm). Every rank must call it.
-    """
-    parameters = list(parameters)
-    local, groups = grad_norm(parameters, norm_type, foreach)
-    if local is None:  # this stage has no gradients; it still takes part in the pp reduction
-        local = torch.zeros((), device=parameters[0].device if parameters else None)
-    if pp_group is None:
-        total = local
-    elif math.isinf(norm_type):
-        total = local.clone()
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_group)
-    else:
-        total = local ** norm_type
-        dist.all_reduce(total, group=pp_group)
-        total = total ** (1.0 / norm_type)
-    for group in groups:
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
-    return total
+    return PipelineRun(plan, parts, stages, pp_mesh.get_group())

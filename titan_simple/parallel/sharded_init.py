@@ -26,9 +26,9 @@ import hashlib
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from titan_simple.parallel.simple_fsdp import sharded_parameters
+from titan_simple.parallel.torch_private import TorchDispatchMode
 
 _RANDOM_INPLACE_OPS = {torch.ops.aten.uniform_.default, torch.ops.aten.normal_.default}
 

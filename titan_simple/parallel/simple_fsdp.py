@@ -40,9 +40,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard  # private: the only spelling in 2.13
 
 from titan_simple.parallel.activation_checkpoint import apply_checkpoint, reshard_policy
+from titan_simple.parallel.torch_private import StridedShard, root_mesh
 
 MODES = ("fully_shard", "replicate", "hybrid_shard")
 _DP_PLACEMENTS: dict[str, tuple[Placement, ...]] = {
@@ -137,7 +137,7 @@ def _joint_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
     private). The TP mesh is matched by its dimension name and ranks, not by its root's identity: torch 2.13
     caches mesh slices, so after another world mesh was built in the same process (tests running several
     layouts) ``world['tp']`` may report that other world as its root."""
-    root = dp_mesh._get_root_mesh()
+    root = root_mesh(dp_mesh)
     names = tp_mesh.mesh_dim_names or ()
     matches = (
         bool(dp_mesh.mesh_dim_names)
@@ -149,7 +149,7 @@ def _joint_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
         raise ValueError(
             "data_parallel: a DTensor parameter's mesh and the data-parallel mesh must be named slices of "
             f"the same world mesh, e.g. world['dp_shard'] and world['tp'] (got {dp_mesh.mesh_dim_names} of "
-            f"{root.mesh_dim_names} and {names} of {tp_mesh._get_root_mesh().mesh_dim_names})."
+            f"{root.mesh_dim_names} and {names} of {root_mesh(tp_mesh).mesh_dim_names})."
         )
     return root[dp_mesh.mesh_dim_names + names]
 
@@ -165,7 +165,7 @@ def _shard(param: torch.Tensor, mesh: DeviceMesh, dp_placements: tuple[Placement
     tp_sharded_dims = {p.dim for p in tp_placements if isinstance(p, Shard)}
     placements = (
         tuple(
-            _StridedShard(p.dim, split_factor=tp_mesh.size())
+            StridedShard(p.dim, split_factor=tp_mesh.size())
             if isinstance(p, Shard) and p.dim in tp_sharded_dims
             else p
             for p in dp_placements
@@ -234,39 +234,3 @@ def data_parallel(
         group_names = [mesh.get_group(dim).group_name for dim in range(mesh.ndim)]
         apply_checkpoint(modules, reshard_policy(group_names))
     return model
-
-
-def clip_grad_norm_(
-    parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0, foreach: bool | None = None
-) -> torch.Tensor:
-    """Clip gradients to a global ``max_norm``; return the norm (a plain tensor, identical on all ranks).
-
-    Gradients are grouped by (mesh, placements): within a group torch's ``get_total_norm`` gives a DTensor
-    whose ``full_tensor()`` reduces the shards' partial norms; the groups' norms are then combined locally.
-    Every rank must call this (it communicates).
-    """
-    total, groups = grad_norm(parameters, norm_type, foreach)
-    if total is None:
-        return torch.tensor(0.0)
-    for group in groups:
-        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach=foreach)
-    return total
-
-
-def grad_norm(
-    parameters: Iterable[torch.Tensor], norm_type: float = 2.0, foreach: bool | None = None
-) -> tuple[torch.Tensor | None, list[list[torch.Tensor]]]:
-    """The norm of the gradients of ``parameters`` (``None`` if none has one), and the parameters grouped by
-    their gradient's (mesh, placements), as ``clip_grads_with_norm_`` wants them. Communicates over the
-    meshes of sharded gradients, so every rank of them must call it."""
-    groups: dict[object, list[torch.Tensor]] = {}
-    for p in parameters:
-        if p.grad is not None:
-            key = (p.grad.device_mesh, p.grad.placements) if isinstance(p.grad, DTensor) else None
-            groups.setdefault(key, []).append(p)
-    norms = []
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], norm_type, foreach=foreach)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.nn.utils.get_total_norm(norms, norm_type) if norms else None
-    return total, list(groups.values())

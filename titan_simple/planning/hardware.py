@@ -10,11 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from dataclasses import dataclass
 
-import torch
-
+from titan_simple.planning.measuring import copy_bytes, copy_seconds, matmul_flops, matmul_seconds, torch_threads
 from titan_simple.train.metrics import PEAK_BF16_TFLOPS
 
 GIB = 1024**3
@@ -57,24 +55,10 @@ def measure_cpu(world_size: int, collective_bandwidth: float | None = None) -> D
     measured by ``scripts/dry_run_cpu_check.py``) or a nominal 1 GB/s. Efficiencies are 1: the rates are
     measured, not peaks. Memory capacity: the host's RAM."""
     threads = max(1, (os.cpu_count() or 1) // max(world_size, 1))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        a = torch.randn(512, 512)
-        torch.mm(a, a)
-        reps = 20
-        start = time.perf_counter()
-        for _ in range(reps):
-            torch.mm(a, a)
-        flops = 2 * 512**3 * reps / (time.perf_counter() - start)
-        b = torch.randn(1 << 22)
-        b.clone()
-        start = time.perf_counter()
-        for _ in range(10):
-            b.clone()
-        bandwidth = 2 * b.numel() * 4 * 10 / (time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(previous)
+    matmul_n, copy_numel = 512, 1 << 22
+    with torch_threads(threads):
+        flops = matmul_flops(matmul_n) / matmul_seconds(matmul_n, 20)
+        bandwidth = copy_bytes(copy_numel) / copy_seconds(copy_numel, 10)
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     link = collective_bandwidth or 1e9
     return DeviceSpec(f"CPU ({threads} threads/process, measured)", flops, bandwidth, float(memory), link, link,

@@ -1,8 +1,8 @@
 """Measure what the dry run predicts, on real processes (CPU, gloo): the check of the model against reality.
 
 ``measure_worker`` runs inside each of N spawned processes: it measures this machine's rates *while all N
-processes run* (matmul FLOP/s, copy bandwidth, gloo all-gather bandwidth), builds the model exactly as the
-trainer does, times a few training steps, and traces one more step with the dry run's own ``StepTracer`` on
+processes run* (matmul FLOP/s, copy bandwidth, gloo all-gather bandwidth), builds the model and its training step with
+the trainer's own functions, times a few steps, and traces one more step with the dry run's own ``StepTracer`` on
 real tensors (peak live tensor storage bytes, and every collective issued). Rank 0 writes the result as JSON.
 ``scripts/dry_run_cpu_check.py`` and ``tests/test_dry_run.py`` use it.
 """
@@ -19,56 +19,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.tensor  # noqa: F401 -- registers the _c10d_functional ops activation_checkpoint names
-from torch import nn
 
 from titan_simple.config import load_job_config
-from titan_simple.models.llama3 import build_model
 from titan_simple.parallel.dims import ParallelDims
-from titan_simple.parallel.parallelize import parallelize_llama, uses_loss_parallel
-from titan_simple.parallel.sharded_init import materialize_and_init
-from titan_simple.parallel.simple_fsdp import clip_grad_norm_
-from titan_simple.parallel.tensor_parallel import loss_parallel_context
+from titan_simple.planning import measuring
 from titan_simple.planning.trace import StepTracer, ignoring_shape_propagation
-from titan_simple.train.optim import build_optimizer
-
-
-def _max_over_ranks(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+from titan_simple.train.build import build_model_parts
+from titan_simple.train.optim import optimizer_from_config
+from titan_simple.train.step import StepHooks, build_train_step
 
 
 def measure_rates(world_size: int) -> dict[str, float]:
     """Matmul FLOP/s and copy bytes/s with every rank computing at once (they share the cores), and the
-    all-gather bus bandwidth (bytes/s of the formula ``(n-1)/n x gathered bytes / time``) and latency."""
-    a = torch.randn(512, 512)
-    b = torch.randn(1 << 22)
-    torch.mm(a, a)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(20):
-        torch.mm(a, a)
-    mm_s = (time.perf_counter() - start) / 20
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(10):
-        b.clone()
-    copy_s = (time.perf_counter() - start) / 10
-    times = []
-    for n, reps in ((1 << 8, 21), (1 << 20, 5)):  # fp32 elements per rank: 1 KiB and 4 MiB
-        x, out = torch.ones(n), torch.empty(n * world_size)
-        dist.all_gather_single(out, x)
-        each = []
-        for _ in range(reps):  # the median of single calls: a descheduled process skews a mean
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_gather_single(out, x)
-            each.append(time.perf_counter() - start)
-        times.append(statistics.median(each))
-    mm_s, copy_s, small_s, big_s = _max_over_ranks([mm_s, copy_s, *times])
+    all-gather bus bandwidth (bytes/s of the formula ``(n-1)/n x gathered bytes / time``) and latency.
+
+    Every rank starts each timing together (barriers), and an all-gather's time is the median of single calls:
+    a descheduled process skews a mean. (``CpuRuntimeEstimator.calibrate`` times the same things more cheaply,
+    for Inductor's scheduler; its docstring says why.)"""
+    matmul_n, copy_numel = 512, 1 << 22
+    mm_s = measuring.matmul_seconds(matmul_n, 20, barrier=True)
+    copy_s = measuring.copy_seconds(copy_numel, 10, warmup=False, barrier=True)
+    # fp32 elements per rank: 1 KiB and 4 MiB
+    times = [measuring.all_gather_seconds(n, reps, single_calls=True) for n, reps in ((1 << 8, 21), (1 << 20, 5))]
+    mm_s, copy_s, small_s, big_s = measuring.max_over_ranks([mm_s, copy_s, *times])
     wire = (world_size - 1) / world_size * 4 * world_size
     bandwidth = wire * ((1 << 20) - (1 << 8)) / max(big_s - small_s, 1e-9)
-    return {"matmul_flops": 2 * 512**3 / mm_s, "memory_bandwidth": 2 * b.numel() * 4 / copy_s,
+    return {"matmul_flops": measuring.matmul_flops(matmul_n) / mm_s,
+            "memory_bandwidth": measuring.copy_bytes(copy_numel) / copy_s,
             "allgather_bandwidth": bandwidth, "allgather_latency": max(small_s - wire * (1 << 8) / bandwidth, 0.0)}
 
 
@@ -88,40 +65,32 @@ def measure_worker(rank: int, world_size: int, argv: list[str], out_path: str, s
 
 def _measure(rank: int, world_size: int, argv: list[str], steps: int) -> dict[str, Any]:
     config = load_job_config(argv)
-    t, p = config.training, config.parallelism
-    dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree,
-                        p.pipeline_parallel_degree, world_size)
+    training = config.training
+    dims = ParallelDims.from_config(config, world_size)
     rates = measure_rates(world_size)
     mesh = dims.build_mesh("cpu")
     device = torch.device("cpu")
-    model = build_model(config.model.flavor, max_seq_len=t.seq_len, device="meta")
-    model = parallelize_llama(model, dims, mesh, config, device)
-    materialize_and_init(model, device, t.seed)
-    o = config.optimizer
-    optimizer = build_optimizer(nn.ModuleList([model]), name=o.name, lr=o.lr, eps=o.eps,
-                                weight_decay=o.weight_decay, implementation=o.implementation)
+    parts = build_model_parts(config, dims, mesh, device)  # the trainer's build
+    optimizer = optimizer_from_config(config, parts.as_module())
+    # The trainer's step; gradients stay allocated between steps (the steady state the dry run assumes).
+    train_step = build_train_step(parts, dims, optimizer, max_norm=1.0)
+    train_step.keep_grad_buffers = True
     generator = torch.Generator().manual_seed(rank)
-    tokens = torch.randint(0, model.args.vocab_size, (t.local_batch_size, t.seq_len + 1), generator=generator)
+    tokens = torch.randint(0, parts.model_args.vocab_size, (training.local_batch_size, training.seq_len + 1),
+                           generator=generator)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
-    loss_parallel = uses_loss_parallel(dims, config)
-    from titan_simple.train.trainer import cross_entropy_sum
+
+    class Phases(StepHooks):  # clipping's small all-reduces count with the optimizer (the dry run does not clip)
+        def __init__(self, tracer: StepTracer) -> None:
+            self.tracer = tracer
+
+        def phase(self, name: str) -> None:
+            self.tracer.set_phase(name)
 
     def step(tracer: StepTracer | None = None, tokens: int | None = None) -> None:
-        optimizer.zero_grad(set_to_none=False)  # steady state: gradients stay allocated, as the dry run assumes
-        if tracer:
-            tracer.set_phase("forward")
+        train_step.hooks = Phases(tracer) if tracer else StepHooks()
         x, y = (inputs, labels) if tokens is None else (inputs[:1, :tokens], labels[:1, :tokens])
-        logits = model(x)
-        with loss_parallel_context(loss_parallel):
-            loss = cross_entropy_sum(logits, y) / y.numel()
-            if tracer:
-                tracer.set_phase("backward")
-            loss.backward()
-        del logits, loss
-        if tracer:  # clipping's small all-reduces count with the optimizer (the dry run does not clip)
-            tracer.set_phase("optimizer")
-        clip_grad_norm_(model.parameters(), 1.0, foreach=True)
-        optimizer.step()
+        train_step([(x, y)])
 
     def timed(tokens: int | None) -> list[float]:
         times = []
@@ -146,7 +115,8 @@ def _measure(rank: int, world_size: int, argv: list[str], steps: int) -> dict[st
     tracer = StepTracer(ignore_meta_tensors=True)
     with tracer, ignoring_shape_propagation():
         state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        for tensor in [*model.parameters(), *(q.grad for q in model.parameters()), *state, *model.buffers(),
+        for tensor in [*parts.parameters(), *(q.grad for q in parts.parameters()), *state,
+                       *parts.as_module().buffers(),
                        inputs, labels]:
             tracer.track(tensor)
         tracer.reset_peaks()

@@ -10,7 +10,8 @@ returns ``NotImplemented`` for DTensor arguments, so DTensor unwraps and its loc
 mode) and records:
 
 * **memory**: the bytes of the distinct tensor storages alive (each counted once however many views share it;
-  a weakref finalizer on the storage subtracts it when freed), sampled after every op, with per-phase peaks;
+  a weakref finalizer on the storage subtracts it when freed), sampled after every op, with per-phase peaks
+  (``measuring.LiveStorageBytes``, which ``scripts/measure_memory.py`` shares);
 * **ops**: for every op that does work, its FLOPs (``torch.utils.flop_counter``'s formulas) and the bytes it
   reads and writes, and whether it is a matmul, attention or memory-bound op; views and metadata ops are free;
 * **collectives**: kind, process group, payload bytes and dtype of every ``_c10d_functional`` collective.
@@ -31,29 +32,22 @@ is also what the model runs on CPU.
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._sharding_prop import ShardingPropagator  # private: see ignoring_shape_propagation
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from titan_simple.models import llama3
+from titan_simple.parallel.comm_plan import COLLECTIVE_KINDS
+from titan_simple.planning.measuring import LiveStorageBytes
 
 _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
-COLLECTIVE_KINDS = {
-    _c10d.all_gather_into_tensor.default: "all_gather",
-    _c10d.reduce_scatter_tensor.default: "reduce_scatter",
-    _c10d.all_reduce.default: "all_reduce",
-    _c10d.all_to_all_single.default: "all_to_all",
-}
-_GROUP_ARG = {"all_gather": 2, "reduce_scatter": 3, "all_reduce": 2, "all_to_all": 3}
 _MATMUL = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default}
 _ATTENTION_FORWARD = _aten._scaled_dot_product_flash_attention_for_cpu.default
 _ATTENTION_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
@@ -87,58 +81,22 @@ class Collective:
     phase: str
 
 
-@dataclass(eq=False)
-class StepTracer(TorchDispatchMode):
-    """See the module docstring. ``phase`` names the part of the step that costs and peaks belong to."""
+class StepTracer(LiveStorageBytes):
+    """See the module docstring. ``phase`` names the part of the step that costs and peaks belong to.
+    ``ignore_meta_tensors``: measuring a real step (tensors on a real device), meta tensors are metadata, never
+    memory."""
 
-    phase: str = "start"
-    live: int = 0
-    peak: int = 0
-    phase_peaks: dict[str, int] = field(default_factory=dict)
-    peak_at: str = ""  # the op (and phase) after which the live total peaked
-    # Measuring a real step (tensors on a real device): meta tensors are then metadata, never memory.
-    ignore_meta_tensors: bool = False
-    ops: list[OpCost] = field(default_factory=list)
-    collectives: list[Collective] = field(default_factory=list)
-    _sizes: dict[int, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
+    def __init__(self, ignore_meta_tensors: bool = False) -> None:
         super().__init__()
+        self.ignore_meta_tensors = ignore_meta_tensors
+        self.ops: list[OpCost] = []
+        self.collectives: list[Collective] = []
 
-    # ------------------------------------------------------------------------------------ memory
-
-    def track(self, t: torch.Tensor) -> None:
-        """Count ``t``'s storage as alive (once) until it is freed."""
-        if isinstance(t, DTensor):
-            t = t.to_local()
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-            return
-        if self.ignore_meta_tensors and t.device.type == "meta":
-            return
-        storage = t.untyped_storage()
-        key = storage._cdata
-        if key in self._sizes:
-            return
-        nbytes = storage.nbytes()
-        self._sizes[key] = nbytes
-        self.live += nbytes
-        weakref.finalize(storage, self._forget, key)
-
-    def _forget(self, key: int) -> None:
-        self.live -= self._sizes.pop(key, 0)
-
-    def sample(self, op: str = "") -> None:
-        if self.live > self.peak:
-            self.peak, self.peak_at = self.live, f"{self.phase}: {op}"
-        self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.live)
-
-    def set_phase(self, name: str) -> None:
-        self.phase = name
-        self.sample()
-
-    def reset_peaks(self) -> None:
-        self.peak = self.live
-        self.phase_peaks = {}
+    def _storage_of(self, t: object) -> torch.UntypedStorage | None:
+        storage = super()._storage_of(t)
+        if storage is not None and self.ignore_meta_tensors and storage.device.type == "meta":
+            return None
+        return storage
 
     # ------------------------------------------------------------------------------------ dispatch
 
@@ -160,9 +118,12 @@ class StepTracer(TorchDispatchMode):
     def _record(self, func, args, kwargs, out, tensors_in, tensors_out) -> None:
         kind = COLLECTIVE_KINDS.get(func)
         if kind is not None:
-            payload = tensors_out[0] if kind == "all_gather" else tensors_in[0]
-            self.collectives.append(Collective(kind, str(args[_GROUP_ARG[kind]]), _nbytes(payload),
-                                               str(payload.dtype).removeprefix("torch."), self.phase))
+            # As the comm plan reads them: the gathered output of an all-gather, else the input (every tensor of
+            # a coalesced one); the group name is the last positional argument of every functional collective.
+            inputs = [t for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor)]
+            payload = tensors_out if kind == "all_gather" else inputs
+            self.collectives.append(Collective(kind, str(args[-1]), sum(_nbytes(t) for t in payload),
+                                               str(payload[0].dtype).removeprefix("torch."), self.phase))
             return
         if func in _FREE or _is_view(func):
             return

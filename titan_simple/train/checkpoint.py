@@ -1,9 +1,9 @@
-"""Checkpoints on torch.distributed.checkpoint (DCP): exact resume, any layout, atomic saves, HF weights.
+"""Checkpoints on torch.distributed.checkpoint (DCP) for training: exact resume, any layout, atomic saves.
 
-On disk, under ``<job.dump_folder>/<checkpoint.folder>/``::
-
-    step-8/               complete: DCP files (.metadata, __<rank>_0.distcp) and complete.json
-    step-12.partial/      a save in progress, or one that never finished: ignored (with a warning)
+``CheckpointManager`` saves and restores everything a run needs to continue; ``TrainProgress`` is what the
+trainer counts besides the stateful objects. The folder layout (``step-N`` / ``step-N.partial`` and its
+``complete.json``) and the one-process readers (``load_model_weights``, ``export_hf``) live in
+``checkpoint_files.py`` (re-exported here for the code that imports them from this module).
 
 Every rank writes its own shards into ``step-N.partial``; only after DCP has gathered every rank's result
 (the coordinator writes ``.metadata`` last) does rank 0 write ``complete.json`` and rename the folder to
@@ -26,17 +26,13 @@ of a different data-parallel size is approximated by skipping ``tokens_seen / dp
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import os
 import pickle
-import re
 import shutil
 import time
-import warnings
-from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,7 +43,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -55,20 +50,38 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from titan_simple.errors import ConfigError
-from titan_simple.models.hf_llama import is_hf_folder, load_hf, save_hf
+from titan_simple.errors import CheckpointError, ConfigError
+from titan_simple.models.hf_llama import is_hf_folder
 from titan_simple.models.llama3 import ModelArgs, Transformer
 from titan_simple.parallel.simple_fsdp import sharded_parameters
+from titan_simple.train.checkpoint_files import (
+    EXPORT_DTYPES,
+    MARKER,
+    PARTIAL_SUFFIX,
+    check_model_shapes,
+    complete_steps,
+    copy_hf_weights,
+    export_hf,
+    find_checkpoint,
+    first_failure,
+    load_model_weights,
+    model_args_of,
+    read_marker,
+    read_metadata,
+    single_process_is_fine,
+    step_folder,
+)
+
+# The file helpers are re-exported: generate.py, scripts/export_hf.py and the tests import them from here.
+__all__ = [
+    "EXPORT_DTYPES", "MARKER", "PARTIAL_SUFFIX", "STATE_KEYS", "CheckpointManager", "TrainProgress", "complete_steps",
+    "export_hf", "find_checkpoint", "load_model_weights", "model_args_of", "read_marker", "step_folder",
+]
 
 logger = logging.getLogger("titan_simple")
 
-MARKER = "complete.json"
-PARTIAL_SUFFIX = ".partial"
 STATE_KEYS = ("model", "optimizer", "lr_scheduler", "dataloader", "train_state", "rng")
-EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_STEP_FOLDER = re.compile(r"^step-(\d+)$")
 _OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -78,100 +91,6 @@ class TrainProgress:
 
     step: int = 0
     tokens_seen: int = 0
-
-
-# ------------------------------------------------------------------------------------------ folders
-
-
-def step_folder(folder: str | Path, step: int) -> Path:
-    return Path(folder) / f"step-{step}"
-
-
-def complete_steps(folder: str | Path, warn: bool = False) -> list[int]:
-    """Steps with a complete checkpoint in ``folder``, ascending. ``warn`` logs every partial one."""
-    folder = Path(folder)
-    if not folder.is_dir():
-        return []
-    steps = []
-    for entry in sorted(folder.iterdir()):
-        match = _STEP_FOLDER.match(entry.name)
-        if match and (entry / MARKER).is_file():
-            steps.append(int(match.group(1)))
-        elif warn and entry.is_dir() and (match or entry.name.endswith(PARTIAL_SUFFIX)):
-            logger.warning("checkpoint: ignoring %s, a save that did not finish (no %s)", entry, MARKER)
-    return sorted(steps)
-
-
-def find_checkpoint(folder: str | Path, step: int = -1) -> Path | None:
-    """The complete checkpoint of ``step`` (-1: the newest) in ``folder``; None if there is none at all.
-
-    A requested step that is missing or incomplete raises ConfigError listing the complete ones.
-    """
-    steps = complete_steps(folder, warn=True)
-    if step < 0:
-        return step_folder(folder, steps[-1]) if steps else None
-    if step not in steps:
-        available = ", ".join(map(str, steps)) or "none"
-        raise ConfigError(f"[checkpoint] load_step = {step}: no complete checkpoint {step_folder(folder, step)} "
-                          f"(complete steps in {folder}: {available}).")
-    return step_folder(folder, step)
-
-
-def read_marker(path: str | Path) -> dict[str, Any]:
-    """The ``complete.json`` of a step folder ({} when absent, e.g. a DCP folder written elsewhere)."""
-    marker = Path(path) / MARKER
-    try:
-        return json.loads(marker.read_text()) if marker.is_file() else {}
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"checkpoint {path}: {MARKER} is unreadable ({e}); the checkpoint is corrupt.") from None
-
-
-def _read_metadata(path: Path) -> Metadata:
-    if not (path / ".metadata").is_file():
-        raise ConfigError(f"checkpoint {path} is not a DCP checkpoint (no .metadata file); point at a step-N "
-                          "folder or a Hugging Face folder (config.json + *.safetensors).")
-    try:
-        return dcp.FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # unpickling a truncated file raises anything from EOFError to UnpicklingError
-        raise ConfigError(f"checkpoint {path}: .metadata is unreadable ({type(e).__name__}: {e}); "
-                          "the checkpoint is corrupt.") from None
-
-
-def _check_model_shapes(metadata: Metadata, expected: dict[str, torch.Size], path: Path) -> None:
-    """ConfigError unless the checkpoint's "model" entries are exactly ``expected`` (names and shapes)."""
-    saved = {
-        key.removeprefix("model."): item.size for key, item in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
-    }
-    missing = sorted(set(expected) - set(saved))
-    unexpected = sorted(set(saved) - set(expected))
-    mismatched = [f"{k} {list(saved[k])} vs model {list(expected[k])}" for k in sorted(set(saved) & set(expected))
-                  if tuple(saved[k]) != tuple(expected[k])]
-    problems = []
-    for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
-        if items:
-            problems.append(f"{len(items)} {label} ({', '.join(items[:3])}{', ...' if len(items) > 3 else ''})")
-    if problems:
-        raise ConfigError(f"checkpoint {path} does not match the model: {'; '.join(problems)}; "
-                          "check [model] flavor against the run that wrote it.")
-
-
-def _first_failure(error: BaseException) -> str:
-    """One line from a DCP CheckpointException (which lists every rank's traceback) or any exception."""
-    where = ""
-    if isinstance(error, CheckpointException) and error.failures:
-        rank, (error, _trace) = min(error.failures.items(), key=lambda item: item[0])
-        where = f"rank {rank}: "
-    text = str(error).splitlines()[0] if str(error) else "the file ends early"
-    return f"{where}{type(error).__name__}: {text}"
-
-
-@contextlib.contextmanager
-def _single_process_is_fine() -> Iterator[None]:
-    """DCP warns on every call without a process group; one process is a layout we support on purpose."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
 
 
 def _pack(obj: Any) -> bytes:
@@ -214,85 +133,6 @@ def _merged_view(model_parts: list[nn.Module]) -> nn.Module:
             else:
                 view._modules[name] = nn.ModuleDict(child) if isinstance(child, nn.ModuleDict) else child
     return view
-
-
-# ------------------------------------------------------------------------------------ plain models
-
-
-def load_model_weights(checkpoint_dir: str, model: nn.Module) -> None:
-    """Load the model weights of a checkpoint into a plain (unsharded) ``model``, in one process.
-
-    ``checkpoint_dir``: a ``step-N`` folder, a checkpoint folder (its newest complete step is used), or a
-    Hugging Face Llama folder (``model`` must then be our ``Transformer``). Works with or without a process
-    group; the weights are resharded from whatever layout saved them. Raises ConfigError on a missing,
-    partial, corrupt or mismatched checkpoint.
-    """
-    path = Path(checkpoint_dir)
-    if not path.is_dir():
-        raise ConfigError(f"checkpoint {path} does not exist.")
-    if is_hf_folder(path):
-        _copy_hf_weights(path, model)
-        return
-    if not (path / ".metadata").is_file() and complete_steps(path):
-        path = find_checkpoint(path)
-    elif path.name.endswith(PARTIAL_SUFFIX) or (_STEP_FOLDER.match(path.name) and not (path / MARKER).is_file()):
-        raise ConfigError(f"checkpoint {path} is partial (its save did not finish); use a complete step folder.")
-    metadata = _read_metadata(path)
-    state_dict = model.state_dict()
-    _check_model_shapes(metadata, {k: v.shape for k, v in state_dict.items()}, path)
-    try:
-        with _single_process_is_fine():
-            dcp.load({"model": state_dict}, checkpoint_id=str(path), no_dist=True)
-    except (CheckpointException, Exception) as e:  # noqa: B014 -- CheckpointException is a BaseException
-        raise ConfigError(f"checkpoint {path} cannot be read ({_first_failure(e)}); it is corrupt or "
-                          "truncated.") from None
-    model.load_state_dict(state_dict)  # no-op for in-place loads; makes copies (other dtypes) stick
-
-
-def model_args_of(checkpoint_dir: str | Path) -> ModelArgs | None:
-    """The model shape a step folder was saved with (from its complete.json), if recorded."""
-    args = read_marker(checkpoint_dir).get("model_args")
-    return ModelArgs(**args) if args else None
-
-
-def export_hf(checkpoint_dir: str | Path, output_dir: str | Path, dtype: torch.dtype = torch.float32,
-              args: ModelArgs | None = None) -> Path:
-    """Write the model of a DCP step folder as a Hugging Face Llama folder (one process, full weights)."""
-    args = args or model_args_of(checkpoint_dir)
-    if args is None:
-        raise ConfigError(f"checkpoint {checkpoint_dir} records no model shape; pass the flavor explicitly.")
-    with torch.device("meta"):
-        model = Transformer(args)
-    model.to_empty(device="cpu")
-    load_model_weights(str(checkpoint_dir), model)
-    return save_hf(model.state_dict(), args, output_dir, dtype=dtype)
-
-
-def _copy_hf_weights(folder: Path, model: nn.Module, args: ModelArgs | None = None) -> None:
-    """Copy Hugging Face weights into ``model``, plain or sharded (each rank keeps its slice of each)."""
-    args = args or getattr(model, "args", None)
-    if args is None:
-        raise ConfigError(f"Hugging Face weights {folder} can only be loaded into a Llama Transformer.")
-    with torch.no_grad(), sharded_parameters():
-        params = dict(model.named_parameters())
-        loaded = set()
-        for name, full in load_hf(folder, args):
-            if name not in params:  # another pipeline stage's weight
-                continue
-            param = params[name]
-            if tuple(full.shape) != tuple(param.shape):
-                raise ConfigError(f"Hugging Face weights {folder}: {name} has shape {list(full.shape)}, the model "
-                                  f"{list(param.shape)}.")
-            full = full.to(device=param.device, dtype=param.dtype)
-            if isinstance(param, DTensor):
-                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
-                param.to_local().copy_(local.to_local())
-            else:
-                param.copy_(full)
-            loaded.add(name)
-    missing = sorted(set(params) - loaded)
-    if missing:
-        raise ConfigError(f"Hugging Face weights {folder} lack {len(missing)} weights ({', '.join(missing[:3])}).")
 
 
 # ------------------------------------------------------------------------------------ the manager
@@ -362,28 +202,29 @@ class CheckpointManager:
         Returns the progress to continue from, or None for a fresh start (weights from
         ``initial_load_path`` count as a fresh start unless it is loaded whole).
         """
-        c = self.config
-        if c.create_seed_checkpoint:
+        checkpoint_config = self.config
+        if checkpoint_config.create_seed_checkpoint:
             if complete_steps(self.folder):
                 raise ConfigError(f"[checkpoint] create_seed_checkpoint: {self.folder} already holds checkpoints; "
                                   "use an empty folder.")
             return None
-        path = find_checkpoint(self.folder, c.load_step) if c.enable else None
+        path = find_checkpoint(self.folder, checkpoint_config.load_step) if checkpoint_config.enable else None
         if path is not None:
             return self._load_dcp(path, model_only=False)
-        if c.load_step >= 0:
-            raise ConfigError(f"[checkpoint] load_step = {c.load_step} needs [checkpoint] enable = true.")
-        if not c.initial_load_path:
-            if c.enable:
+        if checkpoint_config.load_step >= 0:
+            raise ConfigError(f"[checkpoint] load_step = {checkpoint_config.load_step} needs [checkpoint] "
+                              "enable = true.")
+        if not checkpoint_config.initial_load_path:
+            if checkpoint_config.enable:
                 logger.info("checkpoint: none in %s, starting from scratch", self.folder)
             return None
-        initial = Path(c.initial_load_path)
+        initial = Path(checkpoint_config.initial_load_path)
         if is_hf_folder(initial):
-            _copy_hf_weights(initial, self.model, self.model_args)
+            copy_hf_weights(initial, self.model, self.model_args)
             logger.info("checkpoint: loaded Hugging Face weights from %s (step 0)", initial)
             return None
-        progress = self._load_dcp(initial, model_only=c.initial_load_model_only)
-        return None if c.initial_load_model_only else progress
+        progress = self._load_dcp(initial, model_only=checkpoint_config.initial_load_model_only)
+        return None if checkpoint_config.initial_load_model_only else progress
 
     def _expected_model_shapes(self) -> dict[str, torch.Size]:
         with torch.device("meta"):
@@ -394,8 +235,8 @@ class CheckpointManager:
         if not path.is_dir():
             raise ConfigError(f"[checkpoint] initial_load_path {path} does not exist.")
         started = time.perf_counter()
-        metadata = _read_metadata(path)
-        _check_model_shapes(metadata, self._expected_model_shapes(), path)
+        metadata = read_metadata(path)
+        check_model_shapes(metadata, self._expected_model_shapes(), path)
         present = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
         wanted = {"model"} if model_only else set(STATE_KEYS) - set(self.config.exclude_from_loading)
         skipped = sorted(wanted - present - {"model"})
@@ -471,10 +312,10 @@ class CheckpointManager:
 
     def _dcp_load(self, state: dict[str, Any], path: Path) -> None:
         try:
-            with _single_process_is_fine():
+            with single_process_is_fine():
                 dcp.load(state, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         except (CheckpointException, Exception) as e:  # noqa: B014 -- CheckpointException is a BaseException
-            raise ConfigError(f"checkpoint {path} cannot be read ({_first_failure(e)}); it is corrupt or "
+            raise CheckpointError(f"checkpoint {path} cannot be read ({first_failure(e)}); it is corrupt or "
                               "truncated. Delete it to resume from the previous one.") from None
 
     def _fast_forward_data(self, tokens_seen: int, saved_dp_size: int) -> None:
@@ -501,14 +342,17 @@ class CheckpointManager:
         Call every step on every rank: it also commits a finished asynchronous save.
         """
         self._commit_if_done()
-        c, step = self.config, progress.step
-        if not c.enable or step == self._last_saved_step or not (force or last or step % c.interval == 0):
+        checkpoint_config, step = self.config, progress.step
+        if not checkpoint_config.enable or step == self._last_saved_step:
             return
-        model_only = last and c.last_save_model_only
+        if not (force or last or step % checkpoint_config.interval == 0):
+            return
+        model_only = last and checkpoint_config.last_save_model_only
         self._wait_for_pending()
         # The last save and a save on a stop request must be on disk before the process exits: synchronous.
-        self._write(progress, model_only=model_only, asynchronous=c.async_mode == "async" and not (last or force))
-        if last and c.last_save_in_hf:
+        asynchronous = checkpoint_config.async_mode == "async" and not (last or force)
+        self._write(progress, model_only=model_only, asynchronous=asynchronous)
+        if last and checkpoint_config.last_save_in_hf:
             self._wait_for_pending()
             self._export_last_hf(step)
 
@@ -555,13 +399,13 @@ class CheckpointManager:
             if asynchronous:
                 # The state is copied to CPU memory before async_save returns (its default stager), so the
                 # next optimizer step can change the parameters while the copy is written.
-                with _single_process_is_fine():
+                with single_process_is_fine():
                     future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._async_group)
                 self._pending = _PendingSave(future, partial, step, model_only, started)
                 logger.info("checkpoint: saving step %d in the background (staged in %.2f s)", step,
                             time.perf_counter() - started)
             else:
-                with _single_process_is_fine():
+                with single_process_is_fine():
                     dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
                 if self.rank == 0:
                     self._commit(partial, step, model_only, started)
@@ -578,11 +422,11 @@ class CheckpointManager:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag.item() == 0.0
 
-    def _save_error(self, step: int, error: BaseException | str) -> ConfigError:
-        cause = _first_failure(error) if isinstance(error, BaseException) else error
+    def _save_error(self, step: int, error: BaseException | str) -> CheckpointError:
+        cause = first_failure(error) if isinstance(error, BaseException) else error
         steps = complete_steps(self.folder)
         previous = f"the newest complete one is {step_folder(self.folder, steps[-1])}" if steps else "none is complete"
-        return ConfigError(f"checkpoint: saving step {step} to {self.folder} failed ({cause}); older checkpoints "
+        return CheckpointError(f"checkpoint: saving step {step} to {self.folder} failed ({cause}); older checkpoints "
                            f"are untouched, {previous}. Free disk space or fix permissions, then resume.")
 
     def _commit(self, partial: Path, step: int, model_only: bool, started: float) -> None:
@@ -612,13 +456,13 @@ class CheckpointManager:
 
     def _prune(self) -> None:
         """Keep the newest ``keep_latest_k`` complete checkpoints (0 = all); the newest always survives."""
-        k = self.config.keep_latest_k
+        keep_latest_k = self.config.keep_latest_k
         steps = complete_steps(self.folder)
-        if k <= 0 or len(steps) <= k:
+        if keep_latest_k <= 0 or len(steps) <= keep_latest_k:
             return
-        for step in steps[:-k]:
+        for step in steps[:-keep_latest_k]:
             shutil.rmtree(step_folder(self.folder, step), ignore_errors=True)
-            logger.info("checkpoint: deleted step %d (keep_latest_k = %d)", step, k)
+            logger.info("checkpoint: deleted step %d (keep_latest_k = %d)", step, keep_latest_k)
 
     def _commit_if_done(self) -> None:
         """Rank 0 commits a finished background save as soon as it sees it; failures wait for the next

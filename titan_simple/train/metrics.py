@@ -217,8 +217,15 @@ def window_metrics(window: Window, flops_per_token: float, peak_flops: float | N
 # ------------------------------------------------------------------------------------------ memory
 
 
-def _read_vm_hwm_bytes() -> int | None:
-    """Peak resident set size from /proc (Linux), or None where there is no /proc."""
+def rss_bytes() -> int:
+    """Current resident set size of this process, from /proc (Linux)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int | None:
+    """Peak resident set size of this process (since start, or since the last reset by ``MemoryMonitor``),
+    from /proc (Linux), or None where there is no /proc."""
     try:
         with open("/proc/self/status") as status:
             for line in status:
@@ -273,7 +280,7 @@ class MemoryMonitor:
     def read(self) -> dict[str, float]:
         if self.is_cuda:
             return self._read_cuda()
-        hwm = _read_vm_hwm_bytes() if self.window_resets else None
+        hwm = peak_rss_bytes() if self.window_resets else None
         if hwm is not None:
             return {PEAK_RSS_GIB: hwm / GIB}
         return {PEAK_RSS_SINCE_START_GIB: _ru_maxrss_bytes() / GIB}

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from titan_simple.errors import ConfigError
+
+if TYPE_CHECKING:
+    from titan_simple.config import JobConfig
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
 IMPLEMENTATIONS = ("foreach", "for-loop", "fused")
@@ -62,6 +66,13 @@ def build_optimizer(
     params = [p for p in model.parameters() if p.requires_grad]
     kernel_style = _implementation_kwargs(implementation)
     return OPTIMIZERS[name](params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kernel_style)
+
+
+def optimizer_from_config(config: JobConfig, model: nn.Module) -> torch.optim.Optimizer:
+    """``build_optimizer`` with the ``[optimizer]`` section's settings."""
+    optimizer_config = config.optimizer
+    return build_optimizer(model, name=optimizer_config.name, lr=optimizer_config.lr, eps=optimizer_config.eps,
+                           weight_decay=optimizer_config.weight_decay, implementation=optimizer_config.implementation)
 
 
 @dataclass
@@ -164,3 +175,11 @@ def build_lr_scheduler(
         decay_type=decay_type, min_lr_factor=min_lr_factor,
     )
     return LambdaLR(optimizer, schedule)
+
+
+def lr_scheduler_from_config(config: JobConfig, optimizer: torch.optim.Optimizer) -> LambdaLR:
+    """``build_lr_scheduler`` with the ``[lr_scheduler]`` section's settings over ``[training] steps``."""
+    schedule = config.lr_scheduler
+    return build_lr_scheduler(optimizer, steps=config.training.steps, warmup_steps=schedule.warmup_steps,
+                              decay_ratio=schedule.decay_ratio, decay_type=schedule.decay_type,
+                              min_lr_factor=schedule.min_lr_factor)

@@ -94,22 +94,22 @@ class Profiler:
     def start(self, first_step: int = 0) -> None:
         """Begin before the step after ``first_step`` (0, or the step a checkpoint resumed from): recordings
         then still end on multiples of ``profile_freq``."""
-        c = self.config
+        profiling_config = self.config
         self._step = first_step
         if self.cuda_snapshots:
             start_recording_cuda_memory()
-            logger.info("profiling: CUDA memory snapshots every %d steps and on OOM to %s", c.profile_freq,
-                        self.snapshot_folder)
+            logger.info("profiling: CUDA memory snapshots every %d steps and on OOM to %s",
+                        profiling_config.profile_freq, self.snapshot_folder)
         if not (self.save_traces or self.memory_timeline):
             return
         activities = [torch.profiler.ProfilerActivity.CPU]
         if self.is_cuda:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         schedule = torch.profiler.schedule(
-            skip_first=(-first_step) % c.profile_freq,
-            wait=c.profile_freq - c.profiler_warmup - c.profiler_active,
-            warmup=c.profiler_warmup,
-            active=c.profiler_active,
+            skip_first=(-first_step) % profiling_config.profile_freq,
+            wait=profiling_config.profile_freq - profiling_config.profiler_warmup - profiling_config.profiler_active,
+            warmup=profiling_config.profiler_warmup,
+            active=profiling_config.profiler_active,
         )
         # export_memory_timeline needs shapes and stacks besides the memory events.
         self._profiler = torch.profiler.profile(
@@ -119,11 +119,11 @@ class Profiler:
         self._profiler.start()
         if self.save_traces:
             logger.info("profiling: traces of %d step(s) every %d steps to %s/iteration_N/rank%d_trace.json",
-                        c.profiler_active, c.profile_freq, self.traces_folder, self.rank)
+                        profiling_config.profiler_active, profiling_config.profile_freq, self.traces_folder, self.rank)
         if self.memory_timeline:
             logger.info("profiling: no CUDA here, so no allocator snapshot; writing the profiler's memory timeline "
-                        "every %d steps to %s/iteration_N/rank%d_memory_timeline.json instead", c.profile_freq,
-                        self.snapshot_folder, self.rank)
+                        "every %d steps to %s/iteration_N/rank%d_memory_timeline.json instead",
+                        profiling_config.profile_freq, self.snapshot_folder, self.rank)
 
     def _trace_ready(self, profiler: torch.profiler.profile) -> None:
         if self.save_traces:

@@ -63,13 +63,14 @@ class Validator:
         loss_parallel: bool = False,
         autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> None:
-        v, t = config.validation, config.training
+        validation, training = config.validation, config.training
         if (model is None) == (pipeline is None):
             raise ValueError("Validator needs exactly one of model and pipeline")
-        self.freq = v.freq
-        self.steps = v.steps
-        self.local_batch_size = t.local_batch_size if v.local_batch_size == -1 else v.local_batch_size
-        self.seq_len = t.seq_len if v.seq_len == -1 else v.seq_len
+        self.freq = validation.freq
+        self.steps = validation.steps
+        self.local_batch_size = (training.local_batch_size if validation.local_batch_size == -1
+                                 else validation.local_batch_size)
+        self.seq_len = training.seq_len if validation.seq_len == -1 else validation.seq_len
         tp = config.parallelism.tensor_parallel_degree
         if self.seq_len % tp:
             raise ConfigError(
@@ -91,9 +92,9 @@ class Validator:
         # Not endless: with steps = -1 a validation reads the held-out documents once.
         try:
             self.dataloader = build_dataloader(
-                dataset=v.dataset, dataset_path=v.dataset_path, tokenizer=tokenizer, seq_len=self.seq_len,
-                local_batch_size=self.local_batch_size, dp_rank=dp_rank, dp_world_size=dp_size, split="validation",
-                infinite=False,
+                dataset=validation.dataset, dataset_path=validation.dataset_path, tokenizer=tokenizer,
+                seq_len=self.seq_len, local_batch_size=self.local_batch_size, dp_rank=dp_rank, dp_world_size=dp_size,
+                split="validation", infinite=False,
             )
         except ConfigError as error:  # the data module names the keys of [training]; these are ours
             raise ConfigError(str(error).replace("[training]", "[validation]")) from None

@@ -1,0 +1,82 @@
+"""The private torch APIs of ``titan_simple.parallel`` (``titan_simple/parallel/torch_private.py``) still exist.
+
+A torch upgrade that renames or removes one should fail here, with the API's name and what it is for. Without
+this test it would fail in the middle of a compiled or multi-process run. If it fails, fix
+``torch_private.py``, the one module that uses these APIs, rather than skipping the test.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import types
+
+import pytest
+import torch
+
+
+def _private_module() -> types.ModuleType:
+    try:
+        return importlib.import_module("titan_simple.parallel.torch_private")
+    except (ImportError, AttributeError) as e:  # a module-level import or re-export of a private name failed
+        pytest.fail(f"torch {torch.__version__}: titan_simple.parallel.torch_private does not import: {e}")
+
+
+def _name(owner: object) -> str:
+    if isinstance(owner, types.ModuleType):
+        return owner.__name__
+    if isinstance(owner, type):
+        return f"{owner.__module__}.{owner.__qualname__}"
+    return repr(owner)
+
+
+def test_every_private_api_exists():
+    private = _private_module()
+    missing = [
+        f"{_name(owner)}.{attr} (needed by {why})"
+        for owner, attr, why in private.PRIVATE_APIS
+        if not hasattr(owner, attr)
+    ]
+    assert not missing, f"torch {torch.__version__} lacks private APIs titan_simple uses:\n  " + "\n  ".join(missing)
+
+
+def test_the_list_covers_the_new_entries():
+    """The mesh, placement and functorch APIs of dims.py / simple_fsdp.py / pipeline.py are in the list too,
+    not only the Inductor ones."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    private = _private_module()
+    listed = {(owner, attr) for owner, attr, _ in private.PRIVATE_APIS}
+    for owner, attr in ((DeviceMesh, "_flatten"), (DeviceMesh, "_get_root_mesh"),
+                        (private.functorch_config, "donated_buffer"), (private.placement_types, "_StridedShard"),
+                        (private.inductor_config, "post_grad_custom_post_pass")):
+        assert (owner, attr) in listed, f"{_name(owner)}.{attr} is used but not in PRIVATE_APIS"
+
+
+def test_inductor_config_keys_and_signatures():
+    """The keyword arguments compile.py passes, and the config it relies on staying at its default."""
+    private = _private_module()
+    dist_opts = private.inductor_config.aten_distributed_optimizations
+    for name in ("enable_overlap_scheduling", "collective_bucketing", "custom_runtime_estimation"):
+        assert hasattr(dist_opts, name), f"torch._inductor.config.aten_distributed_optimizations lost {name!r}"
+    params = inspect.signature(private.schedule_overlap_bucketing).parameters
+    for name in ("collective_bucketing", "custom_runtime_estimation", "compute_estimator", "insert_overlap_deps",
+                 "pre_bucketing_fsdp_collectives", "bucket_only_internode_comms"):
+        assert name in params, f"schedule_overlap_bucketing lost its {name!r} argument"
+    params = inspect.signature(private.manual_overlap_bucketing).parameters
+    missing = {"gm", "module_bucket_plans", "insert_overlap_deps"} - set(params)
+    assert not missing, f"manual_overlap_bucketing lost its {sorted(missing)} argument(s)"
+    params = inspect.signature(private.ManualOverlapScheduler).parameters
+    assert "insert_overlap_deps" in params, "ManualOverlapScheduler lost its 'insert_overlap_deps' argument"
+
+
+def test_the_wrappers_work():
+    """The wrappers call the private APIs with arguments those still accept."""
+    private = _private_module()
+    assert private.op_schema(torch.ops.aten.mm.default).name == "aten::mm"
+    with private.no_donated_buffers():
+        assert torch._functorch.config.donated_buffer is False
+    assert isinstance(private.StridedShard(0, split_factor=2), torch.distributed.tensor.Placement)
+    # The DeviceMesh methods need a process group to run; check they still take the arguments we pass.
+    inspect.signature(private.DeviceMesh._flatten).bind(None, "dp")
+    inspect.signature(private.DeviceMesh._get_root_mesh).bind(None)

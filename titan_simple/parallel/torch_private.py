@@ -1,0 +1,114 @@
+"""The private torch APIs ``titan_simple.parallel`` uses, all imported here; its other modules import them from
+this one.
+
+A private API may change in any torch release, with no deprecation. With all of them here, a torch upgrade has
+one file to fix. ``tests/test_torch_private.py`` checks every entry of ``PRIVATE_APIS`` and names any that is
+missing. Outside ``parallel/``, the dry run (``planning/trace.py``, ``planning/fake_pg.py``; guarded by
+``tests/test_dry_run.py``) and CUDA memory snapshots (``train/profiling.py``; ``tests/test_profiling.py``) have
+their own private APIs and guards.
+
+A private name that is simply used as is gets re-exported here under a name without the underscore.
+Where a private API is a method or a config key, a small function wraps it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch._functorch.config as functorch_config
+import torch._inductor.config as inductor_config
+import torch._ops
+import torch.distributed.tensor.placement_types as placement_types
+import torch.utils._pytree as pytree
+import torch.utils._runtime_estimation as runtime_estimation
+from torch._inductor import custom_graph_pass
+from torch._inductor import utils as inductor_utils
+from torch._inductor.fx_passes import control_dependencies, overlap_manual_scheduling, overlap_scheduling
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils import _python_dispatch
+
+# --- re-exports: the names the rest of the package imports ------------------------------------------------
+CustomGraphPass = custom_graph_pass.CustomGraphPass
+ManualOverlapScheduler = overlap_manual_scheduling.ManualOverlapScheduler
+manual_overlap_bucketing = overlap_manual_scheduling.manual_overlap_bucketing
+schedule_overlap_bucketing = overlap_scheduling.schedule_overlap_bucketing
+is_compute_node = overlap_scheduling.is_compute_node
+control_deps = control_dependencies.control_deps
+run_and_get_code = inductor_utils.run_and_get_code
+OpOverload = torch._ops.OpOverload
+StridedShard = placement_types._StridedShard
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+tree_map = pytree.tree_map
+tree_flatten = pytree.tree_flatten
+
+# (owner, attribute, why we need it). The guard test checks each one with hasattr on the owner.
+PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
+    (inductor_config, "post_grad_custom_post_pass",
+     "compile.py: the hook that runs our _OverlapPass on the forward and backward graphs"),
+    (inductor_config, "aten_distributed_optimizations",
+     "not set by us: Inductor's own overlap-scheduling switches (off by default; our pass schedules)"),
+    (custom_graph_pass, "CustomGraphPass",
+     "compile.py: the base class a post-grad pass must derive from"),
+    (overlap_manual_scheduling, "manual_overlap_bucketing",
+     "compile.py: manual (module-plan) bucketing + prefetch reorder"),
+    (overlap_manual_scheduling, "ManualOverlapScheduler",
+     "manual_bucketing_only (compile.py): manual bucketing without the reorder"),
+    (ManualOverlapScheduler, "_manual_bucket_collectives",
+     "manual_bucketing_only (compile.py): the bucket-only step of the manual scheduler"),
+    (ManualOverlapScheduler, "_obtain_nodes_in_subgraph",
+     "manual_bucketing_only (compile.py): called by _manual_bucket_collectives, maps our plan to nodes"),
+    (overlap_scheduling, "schedule_overlap_bucketing",
+     "compile.py: 'auto' bucketing, and reordering with bucketing 'none'"),
+    (overlap_scheduling, "is_compute_node",
+     "comm_plan.py / cpu_cost_model.py: Inductor's own test for a compute node"),
+    (control_dependencies, "control_deps",
+     "comm_plan.py: the wrapper that pins our order (insert_overlap_deps); the plan reads through it"),
+    (runtime_estimation, "get_device_tflops",
+     "cpu_cost_model.py: replaced on CPU while our pass runs (it asks triton / CUDA for peak FLOP/s)"),
+    (runtime_estimation, "get_gpu_dram_gbps",
+     "cpu_cost_model.py: replaced on CPU while our pass runs (it asks CUDA for DRAM bandwidth)"),
+    (inductor_utils, "run_and_get_code",
+     "tests: the generated wrapper code, to check what really overlaps"),
+    (torch._ops, "OpOverload",
+     "comm_plan.py: tells aten ops from others when walking data-movement ops"),
+    (torch.ops.aten.mm.default, "_schema",
+     "comm_plan.py: whether an op returns a view (alias_info of its returns)"),
+    (pytree, "tree_map", "cpu_cost_model.py: node arguments -> their fake values, for the FLOP formulas"),
+    (pytree, "tree_flatten", "comm_plan.py: the tensors of a collective's value (bytes, dtype)"),
+    (_python_dispatch, "TorchDispatchMode",
+     "sharded_init.py: the dispatch mode behind layout-invariant random init"),
+    (functorch_config, "donated_buffer",
+     "pipeline.py: turned off for zero-bubble schedules, which run a compiled backward twice"),
+    (DeviceMesh, "_flatten", "dims.py: the flattened 'dp' (replicate x shard) mesh dimension"),
+    (DeviceMesh, "_get_root_mesh", "simple_fsdp.py: the world mesh a dp mesh was sliced from (dp x tp)"),
+    (placement_types, "_StridedShard",
+     "simple_fsdp.py: the dp placement of a TP-sharded dim (the only spelling in torch 2.13)"),
+)
+
+
+def op_schema(op: OpOverload) -> torch.FunctionSchema:
+    """The schema of an aten / c10d op overload (``OpOverload._schema``)."""
+    return op._schema
+
+
+def manual_bucketing_only(gm: torch.fx.GraphModule, plan: list[str | list[str]]) -> None:
+    """Inductor's manual bucketing of ``gm`` by module ``plan``, without the reorder that
+    ``manual_overlap_bucketing`` adds (``ManualOverlapScheduler._manual_bucket_collectives``)."""
+    ManualOverlapScheduler(gm, plan, insert_overlap_deps=False)._manual_bucket_collectives()
+
+
+def no_donated_buffers() -> contextlib.AbstractContextManager:
+    """A context manager that compiles backward graphs without donated buffers. A backward with donated
+    buffers cannot run twice with ``retain_graph=True``."""
+    return functorch_config.patch(donated_buffer=False)
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """Flatten ``mesh``'s dimensions into one dimension ``name`` of its root mesh (``DeviceMesh._flatten``)."""
+    return mesh._flatten(name)
+
+
+def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh ``mesh`` was sliced from (``DeviceMesh._get_root_mesh``)."""
+    return mesh._get_root_mesh()

@@ -1,0 +1,155 @@
+"""One rank of the planned job, built by the real recipe on the meta device, and one traced training step.
+
+``trace_rank`` is the measuring half of the dry run (``dry_run.py``); ``report.py`` turns what it measures into
+memory, collectives and step time. It runs inside the fake process group that ``run_dry_run`` sets up.
+
+**What runs.** The model goes through the trainer's build (``train.build.build_model_parts``, left on the meta
+device): the pipeline split (``plan_pipeline`` / ``split_stage``) and, per stage, tensor parallel -> activation
+checkpointing -> SimpleFSDP (``parallelize_llama``). Then one microbatch's forward, the trainer's loss and
+backward per local stage (``train.step``), and the optimizer step, run on meta tensors under
+``trace.StepTracer``: nothing is allocated, but every op, every saved activation, every recomputation and every
+collective the real step issues is seen with this rank's shapes. torch.compile is not run (it would trace for
+minutes); its effect enters the time model only (fused elementwise kernels, overlap).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from titan_simple.config import JobConfig
+from titan_simple.parallel.compile import transformer_block_plan
+from titan_simple.parallel.dims import ParallelDims
+from titan_simple.parallel.pipeline import PipelinePlan
+from titan_simple.parallel.tensor_parallel import loss_parallel_context
+from titan_simple.planning.trace import Collective, OpCost, StepTracer, fused_attention, ignoring_shape_propagation
+from titan_simple.train.build import build_model_parts
+from titan_simple.train.optim import optimizer_from_config
+from titan_simple.train.step import TrainStep, build_train_step
+
+
+@dataclass
+class StageTrace:
+    """One local model part (the whole model, or one pipeline stage), one microbatch."""
+
+    stage: int | None
+    layers: list[int]
+    activation_bytes: int  # what the forward leaves alive for backward
+    peak_bytes: int  # live peak during forward + backward (static memory included)
+    boundary_bytes: int  # the activation sent to the next stage (pipeline), per microbatch
+    buckets: int  # compile bucketing "transformer_block": one per block, embedding, [norm, output]
+    parameter_tensors: int
+
+
+def _local_bytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _trace_part(part: nn.Module, stage: int | None, plan: PipelinePlan | None, tracer: StepTracer,
+                config: JobConfig, dims: ParallelDims, mesh: DeviceMesh | None, train_step: TrainStep) -> StageTrace:
+    compute_dtype, loss_parallel = train_step.parts.param_dtype, train_step.parts.loss_parallel
+    training, parallelism = config.training, config.parallelism
+    batch = parallelism.pipeline_parallel_microbatch_size if plan is not None else training.local_batch_size
+    first = plan is None or stage == 0
+    last = plan is None or stage == plan.num_stages - 1
+    meta = torch.device("meta")
+    if first:
+        inputs: torch.Tensor = torch.zeros(batch, training.seq_len, dtype=torch.long, device=meta)
+    else:  # the previous stage's output: the residual stream, sequence-sharded under tensor parallel
+        dim = part.args.dim
+        local_seq = training.seq_len // dims.tp if dims.tp > 1 else training.seq_len
+        local = torch.empty(batch, local_seq, dim, dtype=compute_dtype, device=meta, requires_grad=True)
+        inputs = DTensor.from_local(local, mesh["tp"], [Shard(1)], run_check=False) if dims.tp > 1 else local
+    labels = torch.zeros(batch, training.seq_len, dtype=torch.long, device=meta)
+
+    tracer.set_phase("forward")
+    before = tracer.live
+    with fused_attention():
+        out = part(inputs)
+        if last:
+            with loss_parallel_context(loss_parallel):
+                loss = train_step.loss(out, labels, 1 / (batch * training.seq_len))  # the trainer's loss, exactly
+                kept = tracer.live - before
+                tracer.set_phase("backward")
+                loss.backward()
+            boundary = 0
+        else:
+            kept = tracer.live - before
+            boundary = _local_bytes([out])
+            tracer.set_phase("backward")
+            out.backward(torch.empty_like(out))
+    peak = max(tracer.phase_peaks.get("forward", 0), tracer.phase_peaks.get("backward", 0))
+    layers = [int(name) for name in part.layers.keys()]
+    return StageTrace(stage, layers, kept, peak, boundary, len(transformer_block_plan(part)),
+                      sum(1 for _ in part.parameters()))
+
+
+@dataclass
+class RankTrace:
+    parts: list[StageTrace]
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    optimizer_peak_bytes: int
+    peak_at: str  # the op after which forward/backward memory peaked
+    ops: list[OpCost]
+    collectives: list[Collective]
+    seconds: float
+
+
+def trace_rank(config: JobConfig, dims: ParallelDims, mesh: DeviceMesh | None, plan: PipelinePlan | None,
+               pp_rank: int, target: torch.device) -> RankTrace:
+    """Build this rank's model parts by the real recipe on the meta device and trace one step."""
+    start = time.perf_counter()
+    config = copy.deepcopy(config)
+    config.compile.enable = False  # compiling meta graphs would take minutes; the time model accounts for it
+    # The trainer's build, left on the meta device (target: the device whose dtypes "auto" picks).
+    model_parts = build_model_parts(config, dims, mesh, target, materialize=False)
+    parts = model_parts.modules
+    pipeline = model_parts.pipeline
+    stages: list[int | None] = [stage.stage_index for stage in pipeline.stages] if pipeline else [None]
+
+    # Steady state: gradients and optimizer state exist before the step starts (after step 1).
+    params = [param for part in parts for param in part.parameters() if param.requires_grad]
+    optimizer = optimizer_from_config(config, model_parts.as_module())
+    train_step = build_train_step(model_parts, dims, optimizer)
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+
+    tracer = StepTracer()
+    with tracer, ignoring_shape_propagation():
+        for tensor in [*params, *(param.grad for param in params), *state]:
+            tracer.track(tensor)
+        for buffer in (b for part in parts for b in part.buffers()):
+            tracer.track(buffer)
+        results = [_trace_part(part, stage, plan, tracer, config, dims, mesh, train_step)
+                   for part, stage in zip(parts, stages, strict=True)]
+        peak_at = tracer.peak_at
+        tracer.set_phase("optimizer")
+        tracer.reset_peaks()
+        optimizer.step()
+        optimizer_peak = tracer.peak
+    return RankTrace(
+        parts=results,
+        parameter_bytes=_local_bytes(params),
+        gradient_bytes=_local_bytes(param.grad for param in params),
+        optimizer_bytes=_local_bytes(state),
+        optimizer_peak_bytes=optimizer_peak,
+        peak_at=peak_at,
+        ops=tracer.ops,
+        collectives=tracer.collectives,
+        seconds=time.perf_counter() - start,
+    )

@@ -1,0 +1,381 @@
+"""The dry run's model: from one traced rank to per-rank memory, collectives, step time and MFU; the printed table.
+
+``build_report`` takes the ``RankTrace`` of ``rank_trace.trace_rank`` and the device (``hardware.DeviceSpec``)
+and returns the report (a dict, written as ``dry_run.json``); ``format_report`` prints it. It is kept apart
+from the tracing so that the model can be read and changed without the build and tracing machinery.
+
+**Memory** (per rank, measured on the trace): parameters, gradients and optimizer state are the local shards;
+activations are what one microbatch's forward leaves alive for backward, times the microbatches the pipeline
+schedule keeps in flight; the peak is the traced live maximum (which includes transients such as gathered
+weights, logits, the foreach optimizer's temporaries) plus the other in-flight microbatches.
+
+**Time** (a roofline over the traced ops, ``hardware.DeviceSpec``):
+
+* each op: ``max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x efficiency))`` plus, in eager mode, a
+  launch overhead; compiled, elementwise traffic and launches are cut to ``COMPILED_ELEMENTWISE_FRACTION``
+  (Inductor fuses chains of elementwise ops into one kernel);
+* each collective: ``latency + wire bytes / (link bandwidth x efficiency)``, ring algorithms (all-gather and
+  reduce-scatter move ``(n-1)/n`` of the full tensor per rank, all-reduce twice that); NVLink when the
+  group fits in one node (the mesh puts tp innermost, then dp_shard, dp_replicate, pp), else the NIC;
+* overlap: data-parallel collectives are hidden behind compute when the compiled graph reorders them
+  (``[compile] reorder`` or ``bucketing = auto``; ``[dry_run] comm_overlap`` overrides), except what exceeds
+  the compute and one bucket's worth that nothing can hide; tensor-parallel collectives and pipeline
+  send/recv sit on the critical path (exposed);
+* pipeline bubble: ``(pp - 1)`` stage passes for GPipe / 1F1B, ``(pp - 1)`` chunk passes (1/v of a stage) for
+  the interleaved / looped schedules, a third of that for the zero-bubble ones.
+
+MFU uses the model FLOPs convention of training (``6 N + 12 L H d T`` per token, ``flops_per_token``), so it
+is comparable with the trainer's figure; the roofline itself prices what the hardware executes (causal
+attention at half, recomputation included).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_simple.config import JobConfig
+from titan_simple.models.llama3 import LLAMA3_FLAVORS, count_parameters, flops_per_token
+from titan_simple.parallel.dims import MESH_DIM_ORDER, ParallelDims
+from titan_simple.parallel.parallelize import param_dtype_for
+from titan_simple.parallel.pipeline import PipelinePlan
+from titan_simple.planning.hardware import GIB, DeviceSpec
+from titan_simple.planning.rank_trace import RankTrace
+from titan_simple.planning.trace import OpCost
+from titan_simple.train.batching import accumulation_steps
+
+# Share of eager elementwise memory traffic (and kernel launches) left after Inductor fuses elementwise chains:
+# a guess (a fused chain reads its inputs and writes its outputs once instead of once per op), not measured.
+COMPILED_ELEMENTWISE_FRACTION = 0.5
+DATA_PARALLEL_DIMS = ("dp_shard", "dp_replicate", "dp")
+
+
+# ---------------------------------------------------------------------------------------------- mesh
+
+
+@dataclass(frozen=True)
+class MeshDim:
+    name: str
+    size: int
+    intra_node: bool  # every member of one group on the same node
+
+
+def mesh_dims(dims: ParallelDims, gpus_per_node: int) -> dict[str, MeshDim]:
+    """Each enabled mesh dimension (and the flattened ``dp``), with whether its groups stay inside a node.
+    Ranks are laid out with the last mesh dimension fastest, so a dimension's group spans ``stride x size``
+    consecutive ranks, ``stride`` being the product of the dimensions after it."""
+    enabled = dims.enabled_dims
+    out: dict[str, MeshDim] = {}
+    stride = 1
+    for name in reversed(MESH_DIM_ORDER):
+        if name in enabled:
+            out[name] = MeshDim(name, enabled[name], stride * enabled[name] <= gpus_per_node)
+            stride *= enabled[name]
+    if "dp_replicate" in enabled and "dp_shard" in enabled:
+        span = dims.dp * enabled.get("tp", 1)
+        out["dp"] = MeshDim("dp", dims.dp, span <= gpus_per_node)
+    return out
+
+
+def group_names(mesh: DeviceMesh | None, dims: ParallelDims) -> dict[str, str]:
+    """c10d group name -> mesh dimension name."""
+    names: dict[str, str] = {}
+    if mesh is None:
+        return names
+    for name in dims.enabled_dims:
+        names[mesh.get_group(name).group_name] = name
+    if "dp_replicate" in dims.enabled_dims and "dp_shard" in dims.enabled_dims:
+        names[mesh["dp"].get_group().group_name] = "dp"
+    return names
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+def in_flight_chunks(plan: PipelinePlan | None, pp_rank: int) -> int:
+    """Microbatches (per local stage chunk) whose activations this rank holds at its peak, by schedule.
+    1F1B: rank r runs ``pp - r`` forwards before its first backward; interleaved: Megatron's warm-up count
+    ``(v - 1) pp + 2 (pp - 1 - r)`` plus the one in flight; GPipe / looped BFS: all of them; ZBV: about
+    ``2 (pp - r) - 1`` (an approximation)."""
+    if plan is None:
+        return 1
+    pp, n, v = plan.pp, plan.n_microbatches, plan.num_stages // plan.pp
+    schedule = plan.schedule
+    if schedule == "GPipe":
+        return n
+    if schedule == "1F1B":
+        return min(n, pp - pp_rank)
+    if schedule == "LoopedBFS":
+        return n * v
+    if schedule == "ZBVZeroBubble":
+        return min(n * v, 2 * (pp - pp_rank) - 1)
+    return min(n * v, (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
+
+
+def op_seconds(op: OpCost, spec: DeviceSpec, compiled: bool) -> float:
+    memory = spec.memory_bandwidth * spec.memory_efficiency
+    launch = spec.kernel_overhead
+    if op.category == "matmul":
+        return max(op.flops / (spec.peak_flops * spec.matmul_efficiency), op.nbytes / memory) + launch
+    if op.category == "attention":
+        return max(op.flops / (spec.peak_flops * spec.attention_efficiency), op.nbytes / memory) + launch
+    fraction = COMPILED_ELEMENTWISE_FRACTION if compiled else 1.0
+    return fraction * (op.nbytes / memory + launch)
+
+
+_WIRE_FACTOR = {"all_gather": 1.0, "reduce_scatter": 1.0, "all_reduce": 2.0, "all_to_all": 1.0}
+
+
+def collective_seconds(kind: str, nbytes: float, dim: MeshDim, spec: DeviceSpec, count: int = 1) -> float:
+    """Ring algorithms: all-gather / reduce-scatter put ``(n-1)/n`` of the full tensor on each rank's link,
+    all-reduce twice that; a point-to-point ``send`` its bytes."""
+    bandwidth = (spec.intra_node_bandwidth if dim.intra_node else spec.inter_node_bandwidth)
+    wire = nbytes if kind == "send" else _WIRE_FACTOR.get(kind, 1.0) * (dim.size - 1) / dim.size * nbytes
+    return count * spec.collective_latency + wire / (bandwidth * spec.collective_efficiency)
+
+
+def comm_overlapped(config: JobConfig) -> bool:
+    choice = config.dry_run.comm_overlap
+    if choice != "auto":
+        return choice == "overlapped"
+    compile_config = config.compile
+    return compile_config.enable and (compile_config.reorder or compile_config.bucketing == "auto")
+
+
+def suggestion(largest: str, config: JobConfig) -> str:
+    if largest in ("parameters", "gradients", "optimizer state"):
+        return ("shard the weights further: more data_parallel_shard_degree (fewer dp_replicate), or add "
+                "tensor_parallel_degree (within a node) / pipeline_parallel_degree")
+    if largest == "activations":
+        ac = {"none": "[activation_checkpoint] mode = selective or full, ",
+              "selective": "[activation_checkpoint] mode = full, "}.get(config.activation_checkpoint.mode, "")
+        return (f"{ac}lower local_batch_size / pipeline_parallel_microbatch_size, or add tensor_parallel_degree "
+                "(sequence parallel splits activations)")
+    return ("lower local_batch_size, or add tensor_parallel_degree (loss parallel keeps the logits "
+            "vocab-sharded); transients are gathered weights, logits and optimizer temporaries")
+
+
+def build_report(config: JobConfig, dims: ParallelDims, plan: PipelinePlan | None, pp_rank: int, rank: int,
+                 trace: RankTrace, spec: DeviceSpec, dim_of_group: dict[str, str]) -> dict[str, Any]:
+    training = config.training
+    args = LLAMA3_FLAVORS[config.model.flavor]
+    mdims = mesh_dims(dims, spec.gpus_per_node)
+    world = dims.dp * dims.tp * dims.pp
+    accumulation = accumulation_steps(training.global_batch_size, training.local_batch_size, dims.dp)
+    passes = (plan.n_microbatches if plan is not None else 1) * accumulation  # traced microbatch -> per step
+    compiled = config.compile.enable
+    overlapped = comm_overlapped(config)
+
+    # ---- memory
+    chunks = in_flight_chunks(plan, pp_rank)
+    kept = max(part.activation_bytes for part in trace.parts)
+    static = trace.parameter_bytes + trace.gradient_bytes + trace.optimizer_bytes
+    fwd_bwd_peak = max(part.peak_bytes for part in trace.parts) + (chunks - 1) * kept
+    peak = max(fwd_bwd_peak, trace.optimizer_peak_bytes)
+    activations = chunks * kept
+    transient = max(peak - static - activations, 0)
+    contributors = {"parameters": trace.parameter_bytes, "gradients": trace.gradient_bytes,
+                    "optimizer state": trace.optimizer_bytes, "activations": activations,
+                    "transient (peak - the rest)": transient}
+    largest = max(contributors, key=contributors.__getitem__)
+    fits = peak <= spec.memory_bytes
+
+    # ---- compute (the traced ops are one microbatch per local stage + one optimizer step)
+    step_ops = [op for op in trace.ops if op.phase != "optimizer"]
+    compute_pass = sum(op_seconds(op, spec, compiled) for op in step_ops)  # all local stages, one microbatch
+    optimizer_s = sum(op_seconds(op, spec, compiled) for op in trace.ops if op.phase == "optimizer")
+    matmul_flops = sum(op.flops for op in step_ops)
+    by_category: dict[str, float] = defaultdict(float)
+    for op in step_ops:
+        by_category[op.category] += op_seconds(op, spec, compiled)
+
+    # ---- collectives per step
+    rows: dict[tuple[str, str, str], dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0, "seconds": 0.0})
+    dp_comm_pass = exposed_pass = 0.0
+    for c in trace.collectives:
+        dim_name = dim_of_group.get(c.group, "world")
+        dim = mdims.get(dim_name, MeshDim(dim_name, world, world <= spec.gpus_per_node))
+        per_step = 1 if c.phase == "optimizer" else passes
+        seconds = collective_seconds(c.kind, c.nbytes, dim, spec)
+        row = rows[(dim_name, c.kind, c.dtype)]
+        row["count"] += per_step
+        row["bytes"] += per_step * c.nbytes
+        row["seconds"] += per_step * seconds
+        if c.phase == "optimizer":
+            optimizer_s += seconds
+        elif dim_name in DATA_PARALLEL_DIMS:
+            dp_comm_pass += seconds
+        else:
+            exposed_pass += seconds
+    p2p_pass = 0.0
+    if plan is not None:
+        # Per microbatch and stage boundary: the activation forward, its gradient backward (the residual
+        # stream [microbatch, seq (/tp, sequence parallel), dim] in the compute dtype).
+        dtype = param_dtype_for(config, torch.device("cuda"))
+        local_seq = training.seq_len // dims.tp if dims.tp > 1 else training.seq_len
+        boundary = (config.parallelism.pipeline_parallel_microbatch_size * local_seq * args.dim
+                    * torch.finfo(dtype).bits // 8)
+        for part in trace.parts:
+            sides = int(part.stage != 0) + int(part.stage != plan.num_stages - 1)
+            if sides:
+                seconds = 2 * sides * collective_seconds("send", boundary, mdims["pp"], spec)
+                p2p_pass += seconds
+                row = rows[("pp", "send/recv", str(dtype).removeprefix("torch."))]
+                row["count"] += 2 * sides * passes
+                row["bytes"] += 2 * sides * passes * boundary
+                row["seconds"] += passes * seconds
+    n_buckets = sum(part.buckets for part in trace.parts)
+    n_tensors = sum(part.parameter_tensors for part in trace.parts)
+    if overlapped:
+        dp_exposed_pass = max(dp_comm_pass - compute_pass, dp_comm_pass / n_buckets)
+    else:
+        dp_exposed_pass = dp_comm_pass
+    pass_s = compute_pass + dp_exposed_pass + exposed_pass + p2p_pass
+
+    # ---- pipeline bubble
+    bubble = 0.0
+    if plan is not None:
+        chunk_s = pass_s / len(trace.parts)
+        factor = {"InterleavedZeroBubble": 1 / 3, "ZBVZeroBubble": 1 / 3}.get(plan.schedule, 1.0)
+        bubble = (plan.pp - 1) * chunk_s * factor * accumulation
+    step_s = passes * pass_s + bubble + optimizer_s
+    global_tokens = training.local_batch_size * dims.dp * accumulation * training.seq_len
+    tokens_per_gpu = global_tokens / world / step_s
+    model_flops = flops_per_token(args, _non_embedding_params(args), training.seq_len)
+    mfu = tokens_per_gpu * model_flops / spec.peak_flops
+
+    collectives = [
+        {"mesh_dim": d, "size": mdims[d].size if d in mdims else world,
+         "link": ("NVLink" if mdims[d].intra_node else "inter-node") if d in mdims else "?", "kind": k,
+         "dtype": dt, "count": int(v["count"]), "bytes": int(v["bytes"]), "seconds": v["seconds"],
+         # What [compile] bucketing = "transformer_block" merges them into (one collective per bucket).
+         "count_bucketed": round(v["count"] * n_buckets / n_tensors) if d in DATA_PARALLEL_DIMS else int(v["count"])}
+        for (d, k, dt), v in sorted(rows.items())
+    ]
+    return {
+        "config": config.config_file,
+        "model": config.model.flavor,
+        "parameters": count_parameters_of(args),
+        "device": spec.name,
+        "world_size": world,
+        "rank": rank,
+        "mesh": dims.describe,
+        "pipeline": None if plan is None else {
+            "schedule": plan.schedule, "stages": plan.num_stages, "local_stages": [p.stage for p in trace.parts],
+            "microbatches": plan.n_microbatches, "in_flight_chunks": chunks},
+        "local_batch_size": training.local_batch_size,
+        "seq_len": training.seq_len,
+        "activation_checkpoint": config.activation_checkpoint.mode
+        + (f" ({config.activation_checkpoint.selective_ac_option})"
+           if config.activation_checkpoint.mode == "selective" else ""),
+        "compiled": compiled,
+        "comm_overlapped": overlapped,
+        "memory_bytes": {
+            "parameters": trace.parameter_bytes,
+            "gradients": trace.gradient_bytes,
+            "optimizer_state": trace.optimizer_bytes,
+            "activations": activations,
+            "activations_per_microbatch": kept,
+            "transient": transient,
+            "peak": peak,
+            "device": spec.memory_bytes,
+        },
+        "peak_at": trace.peak_at if fwd_bwd_peak >= trace.optimizer_peak_bytes else "optimizer step",
+        "fits": fits,
+        "largest_contributor": largest,
+        "suggestion": None if fits else suggestion(largest, config),
+        "collectives_per_step": collectives,
+        "time_seconds": {
+            "compute": passes * compute_pass,
+            "compute_matmul": passes * by_category["matmul"],
+            "compute_attention": passes * by_category["attention"],
+            "compute_elementwise": passes * by_category["memory"],
+            "data_parallel_comm": passes * dp_comm_pass,
+            "data_parallel_comm_exposed": passes * dp_exposed_pass,
+            "tensor_parallel_and_other_comm_exposed": passes * exposed_pass,
+            "pipeline_send_recv": passes * p2p_pass,
+            "pipeline_bubble": bubble,
+            "optimizer": optimizer_s,
+            "step": step_s,
+        },
+        "hardware_flops_per_step": passes * matmul_flops,
+        "tokens_per_second_per_gpu": tokens_per_gpu,
+        "mfu": mfu,
+        "trace_seconds": trace.seconds,
+        "device_spec": asdict(spec),
+    }
+
+
+def _non_embedding_params(args) -> int:
+    return count_parameters_of(args) - args.vocab_size * args.dim
+
+
+def count_parameters_of(args) -> int:
+    """Parameter count from the shapes alone (no model build)."""
+    with torch.device("meta"):
+        from titan_simple.models.llama3 import Transformer
+
+        return count_parameters(Transformer(args))
+
+
+# ---------------------------------------------------------------------------------------------- output
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:,.2f} GiB"
+
+
+def format_report(r: dict[str, Any]) -> str:
+    m, ts = r["memory_bytes"], r["time_seconds"]
+    pipe = r["pipeline"]
+    lines = [
+        f"dry run: llama3 {r['model']} ({r['parameters'] / 1e9:.2f}B params) on {r['world_size']} x {r['device']}, "
+        f"mesh {r['mesh']}, rank {r['rank']}",
+        f"  local batch {r['local_batch_size']} x seq {r['seq_len']}, AC {r['activation_checkpoint']}, "
+        f"{'compiled' if r['compiled'] else 'eager'}, data-parallel comm "
+        f"{'overlapped' if r['comm_overlapped'] else 'exposed'}",
+    ]
+    if pipe:
+        lines.append(f"  pipeline {pipe['schedule']}: {pipe['stages']} stages, this rank runs {pipe['local_stages']}, "
+                     f"{pipe['microbatches']} microbatches, {pipe['in_flight_chunks']} in flight at the peak")
+    lines += [
+        "",
+        "  memory per rank            ",
+        f"    parameters (fp32 shards)  {_gib(m['parameters']):>14}",
+        f"    gradients                 {_gib(m['gradients']):>14}",
+        f"    optimizer state           {_gib(m['optimizer_state']):>14}",
+        f"    activations               {_gib(m['activations']):>14}   "
+        f"({_gib(m['activations_per_microbatch'])} per microbatch)",
+        f"    transient                 {_gib(m['transient']):>14}",
+        f"    peak                      {_gib(m['peak']):>14}   of {_gib(m['device'])} "
+        f"({100 * m['peak'] / m['device']:.0f}%)  -> {'fits' if r['fits'] else 'DOES NOT FIT'}",
+        f"    (peak reached at {r['peak_at']})",
+    ]
+    if not r["fits"]:
+        lines.append(f"    largest contributor: {r['largest_contributor']}; suggestion: {r['suggestion']}")
+    lines += ["", f"  collectives per step (mesh dim(size, link) kind dtype)   {'count':>7} {'bucketed':>8} "
+              f"{'payload':>14} {'time':>10}"]
+    for c in r["collectives_per_step"]:
+        label = f"{c['mesh_dim']}({c['size']},{c['link']}) {c['kind']} {c['dtype']}"
+        lines.append(f"    {label:<52} {c['count']:>7} {c['count_bucketed']:>8} {_gib(c['bytes']):>14} "
+                     f"{c['seconds'] * 1e3:>8.1f}ms")
+    lines += [
+        "",
+        "  step time (roofline)",
+        f"    compute                    {ts['compute'] * 1e3:>10.1f} ms (matmul {ts['compute_matmul'] * 1e3:.0f}, "
+        f"attention {ts['compute_attention'] * 1e3:.0f}, elementwise {ts['compute_elementwise'] * 1e3:.0f})",
+        f"    data-parallel comm         {ts['data_parallel_comm'] * 1e3:>10.1f} ms "
+        f"({ts['data_parallel_comm_exposed'] * 1e3:.1f} ms exposed)",
+        f"    tensor-parallel/other comm {ts['tensor_parallel_and_other_comm_exposed'] * 1e3:>10.1f} ms (exposed)",
+        f"    pipeline send/recv         {ts['pipeline_send_recv'] * 1e3:>10.1f} ms",
+        f"    pipeline bubble            {ts['pipeline_bubble'] * 1e3:>10.1f} ms",
+        f"    optimizer step             {ts['optimizer'] * 1e3:>10.1f} ms",
+        f"    step                       {ts['step'] * 1e3:>10.1f} ms",
+        f"  predicted: {r['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, MFU {100 * r['mfu']:.1f}%  "
+        f"(traced in {r['trace_seconds']:.1f} s)",
+    ]
+    return "\n".join(lines)

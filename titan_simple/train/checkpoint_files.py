@@ -1,0 +1,221 @@
+"""The on-disk checkpoint format, and reading a checkpoint's model without the training machinery.
+
+Under ``<job.dump_folder>/<checkpoint.folder>/``::
+
+    step-8/               complete: DCP files (.metadata, __<rank>_0.distcp) and complete.json
+    step-12.partial/      a save in progress, or one that never finished: ignored (with a warning)
+
+A ``step-N`` folder with ``complete.json`` (``MARKER``) is whole, whatever was killed when: the writer
+(``checkpoint.CheckpointManager``) fills ``step-N.partial`` and renames it only after every rank's shards and
+DCP's ``.metadata`` are on disk. This module knows that layout -- which steps are complete
+(``complete_steps``, ``find_checkpoint``), the marker (``read_marker``, ``model_args_of``), the DCP metadata
+and its check against a model's shapes -- and uses it for the one-process consumers that need no optimizer,
+data loader or process group: ``load_model_weights`` (generation, evaluation), ``export_hf`` (a step folder
+to a Hugging Face folder) and ``copy_hf_weights`` (Hugging Face weights into a plain or sharded model). It is
+apart from ``checkpoint.py`` so that those consumers read a checkpoint without the manager's save / resume
+logic, and so that the manager's file stays about resuming a run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from titan_simple.errors import CheckpointError, ConfigError
+from titan_simple.models.hf_llama import is_hf_folder, load_hf, save_hf
+from titan_simple.models.llama3 import ModelArgs, Transformer
+from titan_simple.parallel.simple_fsdp import sharded_parameters
+
+logger = logging.getLogger("titan_simple")
+
+MARKER = "complete.json"
+PARTIAL_SUFFIX = ".partial"
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_STEP_FOLDER = re.compile(r"^step-(\d+)$")
+
+
+# ------------------------------------------------------------------------------------------ folders
+
+
+def step_folder(folder: str | Path, step: int) -> Path:
+    return Path(folder) / f"step-{step}"
+
+
+def complete_steps(folder: str | Path, warn: bool = False) -> list[int]:
+    """Steps with a complete checkpoint in ``folder``, ascending. ``warn`` logs every partial one."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    steps = []
+    for entry in sorted(folder.iterdir()):
+        match = _STEP_FOLDER.match(entry.name)
+        if match and (entry / MARKER).is_file():
+            steps.append(int(match.group(1)))
+        elif warn and entry.is_dir() and (match or entry.name.endswith(PARTIAL_SUFFIX)):
+            logger.warning("checkpoint: ignoring %s, a save that did not finish (no %s)", entry, MARKER)
+    return sorted(steps)
+
+
+def find_checkpoint(folder: str | Path, step: int = -1) -> Path | None:
+    """The complete checkpoint of ``step`` (-1: the newest) in ``folder``; None if there is none at all.
+
+    A requested step that is missing or incomplete raises ConfigError listing the complete ones.
+    """
+    steps = complete_steps(folder, warn=True)
+    if step < 0:
+        return step_folder(folder, steps[-1]) if steps else None
+    if step not in steps:
+        available = ", ".join(map(str, steps)) or "none"
+        raise ConfigError(f"[checkpoint] load_step = {step}: no complete checkpoint {step_folder(folder, step)} "
+                          f"(complete steps in {folder}: {available}).")
+    return step_folder(folder, step)
+
+
+def read_marker(path: str | Path) -> dict[str, Any]:
+    """The ``complete.json`` of a step folder ({} when absent, e.g. a DCP folder written elsewhere)."""
+    marker = Path(path) / MARKER
+    try:
+        return json.loads(marker.read_text()) if marker.is_file() else {}
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: {MARKER} is unreadable ({e}); the checkpoint is corrupt.") from None
+
+
+def read_metadata(path: Path) -> Metadata:
+    if not (path / ".metadata").is_file():
+        raise ConfigError(f"checkpoint {path} is not a DCP checkpoint (no .metadata file); point at a step-N "
+                          "folder or a Hugging Face folder (config.json + *.safetensors).")
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # unpickling a truncated file raises anything from EOFError to UnpicklingError
+        raise CheckpointError(f"checkpoint {path}: .metadata is unreadable ({type(e).__name__}: {e}); "
+                          "the checkpoint is corrupt.") from None
+
+
+def check_model_shapes(metadata: Metadata, expected: dict[str, torch.Size], path: Path) -> None:
+    """ConfigError unless the checkpoint's "model" entries are exactly ``expected`` (names and shapes)."""
+    saved = {
+        key.removeprefix("model."): item.size for key, item in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
+    }
+    missing = sorted(set(expected) - set(saved))
+    unexpected = sorted(set(saved) - set(expected))
+    mismatched = [f"{k} {list(saved[k])} vs model {list(expected[k])}" for k in sorted(set(saved) & set(expected))
+                  if tuple(saved[k]) != tuple(expected[k])]
+    problems = []
+    for label, items in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", mismatched)):
+        if items:
+            problems.append(f"{len(items)} {label} ({', '.join(items[:3])}{', ...' if len(items) > 3 else ''})")
+    if problems:
+        raise ConfigError(f"checkpoint {path} does not match the model: {'; '.join(problems)}; "
+                          "check [model] flavor against the run that wrote it.")
+
+
+def first_failure(error: BaseException) -> str:
+    """One line from a DCP CheckpointException (which lists every rank's traceback) or any exception."""
+    where = ""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (error, _trace) = min(error.failures.items(), key=lambda item: item[0])
+        where = f"rank {rank}: "
+    text = str(error).splitlines()[0] if str(error) else "the file ends early"
+    return f"{where}{type(error).__name__}: {text}"
+
+
+@contextlib.contextmanager
+def single_process_is_fine() -> Iterator[None]:
+    """DCP warns on every call without a process group; one process is a layout we support on purpose."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+# ------------------------------------------------------------------------------------ plain models
+
+
+def load_model_weights(checkpoint_dir: str, model: nn.Module) -> None:
+    """Load the model weights of a checkpoint into a plain (unsharded) ``model``, in one process.
+
+    ``checkpoint_dir``: a ``step-N`` folder, a checkpoint folder (its newest complete step is used), or a
+    Hugging Face Llama folder (``model`` must then be our ``Transformer``). Works with or without a process
+    group; the weights are resharded from whatever layout saved them. Raises ConfigError on a missing,
+    partial, corrupt or mismatched checkpoint.
+    """
+    path = Path(checkpoint_dir)
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint {path} does not exist.")
+    if is_hf_folder(path):
+        copy_hf_weights(path, model)
+        return
+    if not (path / ".metadata").is_file() and complete_steps(path):
+        path = find_checkpoint(path)
+    elif path.name.endswith(PARTIAL_SUFFIX) or (_STEP_FOLDER.match(path.name) and not (path / MARKER).is_file()):
+        raise ConfigError(f"checkpoint {path} is partial (its save did not finish); use a complete step folder.")
+    metadata = read_metadata(path)
+    state_dict = model.state_dict()
+    check_model_shapes(metadata, {k: v.shape for k, v in state_dict.items()}, path)
+    try:
+        with single_process_is_fine():
+            dcp.load({"model": state_dict}, checkpoint_id=str(path), no_dist=True)
+    except (CheckpointException, Exception) as e:  # noqa: B014 -- CheckpointException is a BaseException
+        raise CheckpointError(f"checkpoint {path} cannot be read ({first_failure(e)}); it is corrupt or "
+                          "truncated.") from None
+    model.load_state_dict(state_dict)  # no-op for in-place loads; makes copies (other dtypes) stick
+
+
+def model_args_of(checkpoint_dir: str | Path) -> ModelArgs | None:
+    """The model shape a step folder was saved with (from its complete.json), if recorded."""
+    args = read_marker(checkpoint_dir).get("model_args")
+    return ModelArgs(**args) if args else None
+
+
+def export_hf(checkpoint_dir: str | Path, output_dir: str | Path, dtype: torch.dtype = torch.float32,
+              args: ModelArgs | None = None) -> Path:
+    """Write the model of a DCP step folder as a Hugging Face Llama folder (one process, full weights)."""
+    args = args or model_args_of(checkpoint_dir)
+    if args is None:
+        raise ConfigError(f"checkpoint {checkpoint_dir} records no model shape; pass the flavor explicitly.")
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device="cpu")
+    load_model_weights(str(checkpoint_dir), model)
+    return save_hf(model.state_dict(), args, output_dir, dtype=dtype)
+
+
+def copy_hf_weights(folder: Path, model: nn.Module, args: ModelArgs | None = None) -> None:
+    """Copy Hugging Face weights into ``model``, plain or sharded (each rank keeps its slice of each)."""
+    args = args or getattr(model, "args", None)
+    if args is None:
+        raise ConfigError(f"Hugging Face weights {folder} can only be loaded into a Llama Transformer.")
+    with torch.no_grad(), sharded_parameters():
+        params = dict(model.named_parameters())
+        loaded = set()
+        for name, full in load_hf(folder, args):
+            if name not in params:  # another pipeline stage's weight
+                continue
+            param = params[name]
+            if tuple(full.shape) != tuple(param.shape):
+                raise ConfigError(f"Hugging Face weights {folder}: {name} has shape {list(full.shape)}, the model "
+                                  f"{list(param.shape)}.")
+            full = full.to(device=param.device, dtype=param.dtype)
+            if isinstance(param, DTensor):
+                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(local.to_local())
+            else:
+                param.copy_(full)
+            loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ConfigError(f"Hugging Face weights {folder} lack {len(missing)} weights ({', '.join(missing[:3])}).")
+

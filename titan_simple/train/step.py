@@ -1,0 +1,194 @@
+"""One training step: forward, loss, backward, gradient clipping and the optimizer step of one global batch.
+
+    step = build_train_step(parts, dims, optimizer, lr_scheduler, max_norm=1.0)
+    result = step(batches)          # batches: this rank's ``accumulation_steps`` (inputs, labels) pairs
+
+This is the only place that computes the training loss. The trainer, the parity tests, the dry run
+(``planning/``) and the scripts all call it, so what they check or measure is what trains. Two
+implementations share the bookkeeping: ``LocalStep`` runs the model on this rank; ``PipelineStep`` hands each
+batch to the pipeline schedule, which runs the loss on the last stage.
+
+**Loss scaling.** The loss is the fp32 cross-entropy *summed* over tokens, multiplied by
+``1 / global tokens`` of the step (all microbatches, all data-parallel ranks) before backward. SimpleFSDP sums
+gradients over the data-parallel ranks (``Partial("sum")``), so the result is exactly the single-process
+gradient of the mean loss, whatever the layout. FSDP2 averages instead, so the scale is multiplied back by
+the dp degree (``fsdp2.gradient_averaging_factor``).
+
+**Hooks.** ``StepHooks`` lets a caller watch a step without copying it: ``begin`` / ``end`` around the whole
+step (the benchmark's timer and profiler), ``phase(name)`` at "forward", "backward" and "optimizer" (the dry
+run's memory tracer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from titan_simple.parallel.clip_grad import clip_grad_norm_
+from titan_simple.parallel.dims import ParallelDims
+from titan_simple.parallel.fsdp2 import gradient_averaging_factor
+from titan_simple.parallel.tensor_parallel import loss_parallel_context
+from titan_simple.train.build import ModelParts
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy in fp32; the caller divides by the global number of target tokens.
+
+    Vocab-sharded DTensor logits (tensor parallel with loss parallel) need this call *and* the backward
+    inside ``tensor_parallel.loss_parallel_context(True)``; the result is then a plain tensor, this rank's
+    copy of the full loss (the same on every TP rank).
+    """
+    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+    return loss.to_local() if isinstance(loss, DTensor) else loss
+
+
+class StepHooks:
+    """Override what you need. ``phase`` is called with "forward", "backward" and "optimizer"."""
+
+    def begin(self) -> None:
+        pass
+
+    def phase(self, name: str) -> None:
+        pass
+
+    def end(self, result: StepResult) -> None:
+        pass
+
+
+@dataclass
+class StepResult:
+    loss_sum: torch.Tensor  # this rank's summed loss (of its data-parallel slice), detached
+    local_tokens: int  # the target tokens of this rank's slice
+    global_tokens: int  # the target tokens of the whole step, all dp ranks
+    grad_norm: torch.Tensor  # global, before clipping; the same on every rank
+    lr: float  # the learning rate this step used
+    applied: bool  # False when the norm was not finite: the optimizer step was skipped
+
+    @property
+    def local_mean(self) -> torch.Tensor:
+        return self.loss_sum / self.local_tokens
+
+
+class TrainStep:
+    """Forward + loss + backward of a global batch, clipping, optimizer and schedule step. Subclasses say how
+    one batch runs forward and backward (``_forward_backward``) and how the gradient norm is combined."""
+
+    def __init__(self, parts: ModelParts, dims: ParallelDims, optimizer: torch.optim.Optimizer,
+                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, *, max_norm: float = 1.0,
+                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+        self.parts = parts
+        self.dims = dims
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.max_norm = max_norm if max_norm > 0 else float("inf")
+        self.autocast = autocast
+        self.hooks = StepHooks()
+        self.keep_grad_buffers = False  # True: zero the gradients in place instead of freeing them (measurements)
+        self.device = parts.device
+
+    def loss(self, output: torch.Tensor, labels: torch.Tensor, loss_scale: float) -> torch.Tensor:
+        """The scaled training loss of one batch's output. With loss parallel, call it and run its backward
+        inside ``loss_parallel_context(parts.loss_parallel)``."""
+        return cross_entropy_sum(output, labels) * loss_scale
+
+    def loss_scale(self, global_tokens: int) -> float:
+        return gradient_averaging_factor(self.parts.modules[0], self.dims.dp) / global_tokens
+
+    def forward_backward(self, batches: list[Batch]) -> tuple[torch.Tensor, int]:
+        """Zero the gradients, run every batch forward and backward; return this rank's summed loss
+        (detached) and the global token count."""
+        tokens_per_batch = batches[0][1].numel() * self.dims.dp
+        global_tokens = tokens_per_batch * len(batches)
+        loss_scale = self.loss_scale(global_tokens)
+        self.optimizer.zero_grad(set_to_none=not self.keep_grad_buffers)
+        loss_sum = torch.zeros((), device=self.device)
+        for inputs, labels in batches:
+            batch_loss = self._forward_backward(inputs.to(self.device), labels.to(self.device), loss_scale)
+            if batch_loss is not None:
+                loss_sum += batch_loss
+        return self._combine_loss(loss_sum), global_tokens
+
+    def clip_gradients(self) -> torch.Tensor:
+        params = [p for part in self.parts.modules for p in part.parameters() if p.grad is not None]
+        return clip_grad_norm_(params, self.max_norm, pp_group=self._pp_group(), foreach=True)
+
+    def __call__(self, batches: list[Batch]) -> StepResult:
+        self.hooks.begin()
+        loss_sum, global_tokens = self.forward_backward(batches)
+        self.hooks.phase("optimizer")
+        grad_norm = self.clip_gradients()
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses, before the schedule advances
+        # The norm is global (every rank holds the same value), so all ranks take the same branch; a NaN/Inf
+        # loss anywhere makes it non-finite too. The caller decides whether that stops the run.
+        applied = bool(torch.isfinite(grad_norm))
+        if applied:
+            self.optimizer.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        else:
+            self.optimizer.zero_grad()
+        result = StepResult(loss_sum=loss_sum, local_tokens=global_tokens // self.dims.dp,
+                            global_tokens=global_tokens, grad_norm=grad_norm, lr=lr, applied=applied)
+        self.hooks.end(result)
+        return result
+
+    # -- what a layout supplies
+    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float
+                          ) -> torch.Tensor | None:
+        raise NotImplementedError
+
+    def _combine_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        return loss_sum
+
+    def _pp_group(self):
+        return None
+
+
+class LocalStep(TrainStep):
+    """The whole model on this rank (any data / tensor parallel layout)."""
+
+    def _forward_backward(self, inputs, labels, loss_scale):
+        self.hooks.phase("forward")
+        with self.autocast():
+            output = self.parts.modules[0](inputs)
+        with loss_parallel_context(self.parts.loss_parallel):
+            loss_sum = cross_entropy_sum(output, labels)
+            self.hooks.phase("backward")
+            (loss_sum * loss_scale).backward()
+        return loss_sum.detach()
+
+
+class PipelineStep(TrainStep):
+    """This rank's pipeline stages: the schedule runs forward and backward microbatch by microbatch and calls
+    ``loss`` on the last stage; only that stage's rank sees the loss, the others receive it afterwards."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.parts.pipeline.loss_fn = self.loss
+
+    def _forward_backward(self, inputs, labels, loss_scale):
+        self.hooks.phase("forward")
+        with self.autocast(), loss_parallel_context(self.parts.loss_parallel):
+            return self.parts.pipeline.step(inputs, labels, loss_scale)
+
+    def _combine_loss(self, loss_sum):
+        return self.parts.pipeline.sum_over_stages(loss_sum)
+
+    def _pp_group(self):
+        return self.parts.pipeline.pp_group
+
+
+def build_train_step(parts: ModelParts, dims: ParallelDims, optimizer: torch.optim.Optimizer,
+                     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, *, max_norm: float = 1.0,
+                     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                     ) -> TrainStep:
+    """The step for ``parts``: a ``PipelineStep`` when they are pipeline stages, else a ``LocalStep``."""
+    cls = PipelineStep if parts.pipeline is not None else LocalStep
+    return cls(parts, dims, optimizer, lr_scheduler, max_norm=max_norm, autocast=autocast)
