@@ -76,6 +76,7 @@ class Workload:
     flavor: str
     seq_len: int
     local_batch_size: int
+    extra: tuple[str, ...] = ()  # more trainer overrides for every configuration of this workload
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -83,6 +84,16 @@ WORKLOADS: dict[str, Workload] = {
     # Few tokens per rank against 27M parameters to gather and reduce every step: the collectives dominate,
     # as they do across nodes.
     "comm": Workload("comm", "communication-heavy", "debugmodel_large", seq_len=32, local_batch_size=1),
+    # TorchTitan's llama3_debugmodel shape (dim 256, 6 layers, local batch 8 x 2048, selective AC), to set
+    # beside TorchTitan 0.3.0's own SimpleFSDP run by ../shared/peer/run_peer.sh (docs/benchmarks.md,
+    # "vs TorchTitan 0.3.0"). Our debugmodel has 8 KV heads to its 16: slightly less work per token.
+    "peer": Workload("peer", "TorchTitan debugmodel shape", "debugmodel", seq_len=2048, local_batch_size=8,
+                     extra=("--activation_checkpoint.mode=selective", "--training.mixed_precision_param=auto")),
+    # The same tokens per step in shorter sequences: attention is a quarter of the peer shape's, so the rest of
+    # the step (matmuls, collectives, loss) weighs more. The second shape of the comparison.
+    "peer_seq512": Workload("peer_seq512", "TorchTitan debugmodel, seq 512", "debugmodel", seq_len=512,
+                            local_batch_size=32,
+                            extra=("--activation_checkpoint.mode=selective", "--training.mixed_precision_param=auto")),
     # For the end-to-end test only: the 6-layer debug model, a few tokens.
     "tiny": Workload("tiny", "smoke test", "debugmodel", seq_len=32, local_batch_size=1),
 }
@@ -114,6 +125,8 @@ def config_matrix() -> list[BenchConfig]:
         BenchConfig("fsdp2_eager", "FSDP2 eager", (*fsdp2, "--compile.enable=false")),
         BenchConfig("fsdp2_compile", "FSDP2 + per-block compile", (*fsdp2, *on)),
         BenchConfig("simple_eager", "SimpleFSDP eager", (*simple, "--compile.enable=false")),
+        # What a user gets from --compile.enable alone (the [compile] defaults).
+        BenchConfig("simple_default", "SimpleFSDP compiled, defaults", (*simple, *on)),
     ]
     short = {"none": "none", "transformer_block": "tb", "auto": "auto"}
     for bucketing, reorder in itertools.product(("none", "transformer_block", "auto"), (False, True)):
@@ -171,6 +184,7 @@ def trainer_overrides(workload: Workload, config: BenchConfig, steps: int, dump_
         "--metrics.enable_tensorboard=false",
         "--metrics.log_freq=1000000",
         f"--job.dump_folder={dump_folder}",
+        *workload.extra,
         *config.overrides,
     ]
 

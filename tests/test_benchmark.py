@@ -22,7 +22,7 @@ _spec.loader.exec_module(benchmark)
 def test_matrix_has_every_configuration_the_issue_asks_for():
     configs = {c.name: c for c in benchmark.config_matrix()}
     assert set(configs) == {
-        "fsdp2_eager", "fsdp2_compile", "simple_eager",
+        "fsdp2_eager", "fsdp2_compile", "simple_eager", "simple_default",
         "simple_none", "simple_none_reorder", "simple_tb", "simple_tb_reorder", "simple_auto_reorder",
     }
     assert not configs["fsdp2_eager"].compiled and not configs["fsdp2_eager"].simple
@@ -32,6 +32,16 @@ def test_matrix_has_every_configuration_the_issue_asks_for():
     assert tb.compiled and tb.simple
     assert "--compile.bucketing=transformer_block" in tb.overrides and "--compile.reorder=true" in tb.overrides
     assert "--compile.reorder=false" in configs["simple_none"].overrides
+    assert not any(o.startswith("--compile.bucketing") for o in configs["simple_default"].overrides)
+
+
+def test_peer_workload_is_torchtitans_debugmodel_shape_with_selective_ac(tmp_path):
+    from titan_simple.config import load_job_config
+
+    w = benchmark.WORKLOADS["peer"]
+    job = load_job_config(benchmark.trainer_overrides(w, benchmark.config_matrix()[0], 4, str(tmp_path)))
+    assert (job.model.flavor, job.training.seq_len, job.training.local_batch_size) == ("debugmodel", 2048, 8)
+    assert job.activation_checkpoint.mode == "selective"
 
 
 def test_every_configuration_is_a_valid_trainer_config(tmp_path):

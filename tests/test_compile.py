@@ -237,10 +237,10 @@ def test_bucketing_on_a_per_block_compiled_layout_warns(caplog):
         parallelize_llama(model, dims, None, config, torch.device("cpu"))
 
     with caplog.at_level("WARNING", logger="titan_simple.parallel.parallelize"):
-        build("--parallelism.fsdp_implementation=fsdp2", "--compile.bucketing=transformer_block")
-    assert "bucketing = 'transformer_block', reorder = False ignored" in caplog.text
+        build("--parallelism.fsdp_implementation=fsdp2", "--compile.bucketing=auto")
+    assert "bucketing = 'auto', reorder = True ignored" in caplog.text
     caplog.clear()
     with caplog.at_level("WARNING", logger="titan_simple.parallel.parallelize"):
-        build("--parallelism.fsdp_implementation=fsdp2")
+        build("--parallelism.fsdp_implementation=fsdp2")  # the defaults (transformer_block + reorder): no noise
         build("--compile.bucketing=transformer_block", "--compile.reorder")  # SimpleFSDP: whole model, applies
     assert "ignored" not in caplog.text

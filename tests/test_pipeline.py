@@ -251,7 +251,8 @@ def train_pipelined(config, world_size: int, keep_grads: bool) -> dict:
 def run_trainer(rank: int, world_size: int, dump: str, *overrides: str) -> list[float]:
     config = load_job_config(["--config", "llama3_debug.toml", "--training.steps", "4", "--training.seq_len", "64",
                               "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.decay_ratio", "0.5",
-                              "--metrics.enable_tensorboard", "false", "--job.dump_folder", dump, *overrides])
+                              "--metrics.enable_tensorboard", "false", "--job.dump_folder", dump,
+                              "--training.mixed_precision_param", "float32", *overrides])  # fp32: parity to 1e-5
     return Trainer(config, DistInfo(rank, world_size, rank, DEVICE)).train()
 
 

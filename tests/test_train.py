@@ -18,7 +18,8 @@ from titan_simple.train.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--training.steps", "6", "--training.seq_len", "64", "--training.local_batch_size", "2",
-        "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0.5", "--metrics.log_freq", "3"]
+        "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0.5", "--metrics.log_freq", "3",
+        "--training.mixed_precision_param", "float32"]  # fp32 on every CPU: the comparisons are at fp32 precision
 
 
 def run_in_process(tmp_path: Path, *extra: str) -> list[float]:

@@ -29,7 +29,8 @@ LOCAL_BATCH = 2
 VALIDATION_STEPS = 2
 TINY = ["--config", "llama3_debug.toml", "--training.seq_len", str(SEQ_LEN), "--training.local_batch_size",
         str(LOCAL_BATCH), "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.decay_ratio", "0.5",
-        "--validation.enable", "--validation.steps", str(VALIDATION_STEPS)]
+        "--validation.enable", "--validation.steps", str(VALIDATION_STEPS),
+        "--training.mixed_precision_param", "float32"]  # fp32 on every CPU: the comparisons are at fp32 precision
 
 
 def tiny_config(dump: str, *extra: str):

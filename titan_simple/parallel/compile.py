@@ -147,14 +147,16 @@ def compile_model(
     reorder: bool = False,
     dump_folder: str | None = None,
     fullgraph: bool = True,
+    plan_root: str = "",
 ) -> CommPlanRecorder | None:
     """Compile ``model`` in place with the given collective bucketing / reordering; return the comm-plan
     recorder (``None`` for non-Inductor backends, which run no Inductor passes).
 
     ``bucketing``: ``none`` | ``transformer_block`` | ``auto``. ``manual_plan`` overrides the
     ``transformer_block`` plan (one entry per bucket: a module FQN or a list of FQNs). ``dump_folder``: where
-    ``comm_plan.json`` / ``.txt`` go (rank 0). Must be called on every rank (the CPU estimator calibrates
-    with collectives).
+    ``comm_plan.json`` / ``.txt`` go (rank 0). ``plan_root``: the submodule holding the transformer blocks when
+    ``model`` wraps the model (plan entries are then prefixed with it). Must be called on every rank (the CPU
+    estimator calibrates with collectives).
     """
     if bucketing not in BUCKETING_MODES:
         raise ValueError(f"compile_model: bucketing must be one of {BUCKETING_MODES}, got {bucketing!r}.")
@@ -171,7 +173,9 @@ def compile_model(
         warnings.warn("compile: bucketing='auto' always reorders (its buckets are chosen for overlap).", stacklevel=2)
     plan = [list(p) if not isinstance(p, str) else p for p in manual_plan] if manual_plan else None
     if bucketing == "transformer_block" and plan is None:
-        plan = transformer_block_plan(model)
+        plan = transformer_block_plan(model.get_submodule(plan_root))
+    if plan is not None and plan_root:
+        plan = [f"{plan_root}.{p}" if isinstance(p, str) else [f"{plan_root}.{q}" for q in p] for p in plan]
     if bucketing == "none":
         plan = None
     estimator = None

@@ -8,6 +8,7 @@ further over the dp mesh (the joint (dp, tp) mesh). Pipeline parallel slots in a
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -27,11 +28,26 @@ logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
+@functools.cache
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX): Linux's CPU flags, the same answer on
+    every rank of a machine. Measured with one thread: a [16384, 256] x [256, 768] matmul took 15 ms in bf16
+    and 75 ms in fp32 on an AVX512-BF16 EPYC; on a CPU without it bf16 ran about 2x slower than fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def param_dtype_for(config: JobConfig, device: torch.device) -> torch.dtype:
-    """``auto``: bf16 on GPUs; fp32 on CPU, where bf16 matmuls run about 2x slower (measured)."""
+    """``auto``: bf16 on GPUs and on CPUs with native bf16 (``cpu_has_native_bf16``); fp32 on other CPUs,
+    where bf16 is emulated and slower than fp32."""
     name = config.training.mixed_precision_param
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        fast_bf16 = device.type == "cuda" or (device.type == "cpu" and cpu_has_native_bf16())
+        return torch.bfloat16 if fast_bf16 else torch.float32
     return DTYPES[name]
 
 
@@ -70,11 +86,30 @@ def compile_per_block(config: JobConfig, dims: ParallelDims) -> bool:
     return dims.pp > 1 and config.parallelism.pipeline_parallel_schedule in ZERO_BUBBLE_SCHEDULES
 
 
+def compile_whole_model(module: nn.Module, config: JobConfig, plan_root: str = "") -> None:
+    """``[compile]`` as one graph: ``module`` compiled in place with the configured bucketing / reordering
+    passes; ``plan_root`` names the submodule that holds the transformer blocks (for the bucket plan) when
+    ``module`` wraps the model (the training step compiles the model together with its loss)."""
+    compile_config = config.compile
+    compile_model(
+        module,
+        backend=compile_config.backend,
+        bucketing=compile_config.bucketing,
+        manual_plan=compile_config.manual_bucketed_modules or None,
+        reorder=compile_config.reorder,
+        dump_folder=config.job.dump_folder,
+        plan_root=plan_root,
+    )
+
+
 def parallelize_llama(
-    model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, config: JobConfig, device: torch.device
+    model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, config: JobConfig, device: torch.device,
+    compile_whole: bool = True,
 ) -> nn.Module:
     """Apply tensor parallel, activation checkpointing, data parallel and compilation to ``model`` (on the
-    meta device)."""
+    meta device). ``compile_whole=False`` leaves a layout that compiles as one graph uncompiled, for the
+    caller to compile together with more (the training step adds the loss); per-block compilation is done
+    here either way."""
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], loss_parallel=uses_loss_parallel(dims, config))
         if not dims.dp_enabled:
@@ -88,7 +123,8 @@ def parallelize_llama(
     compile_config = config.compile
     per_block = compile_per_block(config, dims)
     if compile_config.enable and per_block:
-        if compile_config.bucketing != "none" or compile_config.reorder:
+        defaults = type(compile_config)()
+        if (compile_config.bucketing, compile_config.reorder) != (defaults.bucketing, defaults.reorder):
             logger.warning(
                 "[compile] bucketing = %r, reorder = %s ignored: this layout compiles each transformer block on "
                 "its own (FSDP2, tensor parallel inside a pipeline stage, or a zero-bubble schedule), so there is "
@@ -112,16 +148,9 @@ def parallelize_llama(
             apply_fsdp2(model, dp_mesh(mesh, dims), mode=dims.data_parallel_mode, param_dtype=param_dtype,
                         reduce_dtype=reduce_dtype, reshard_after_forward=reshard_after_forward(config, dims))
 
-    if compile_config.enable and not per_block:
+    if compile_config.enable and not per_block and compile_whole:
         # The whole model in one graph, the collectives included: Inductor sees and schedules them.
         # nn.Module.compile keeps the module (and its state_dict names) as they are. compile_model adds the
         # [compile] bucketing / reordering passes and writes comm_plan.json/.txt to the dump folder.
-        compile_model(
-            model,
-            backend=compile_config.backend,
-            bucketing=compile_config.bucketing,
-            manual_plan=compile_config.manual_bucketed_modules or None,
-            reorder=compile_config.reorder,
-            dump_folder=config.job.dump_folder,
-        )
+        compile_whole_model(model, config)
     return model

@@ -13,7 +13,9 @@ every layout. ``materialize=False`` leaves the parts on the meta device (the dry
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -23,7 +25,13 @@ from titan_simple.config import JobConfig
 from titan_simple.errors import ConfigError
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, ModelArgs, build_model, count_parameters, flops_per_token
 from titan_simple.parallel.dims import ParallelDims, validate_parallelism
-from titan_simple.parallel.parallelize import parallelize_llama, param_dtype_for, uses_loss_parallel
+from titan_simple.parallel.parallelize import (
+    compile_per_block,
+    compile_whole_model,
+    parallelize_llama,
+    param_dtype_for,
+    uses_loss_parallel,
+)
 from titan_simple.parallel.pipeline import PipelinePlan, PipelineRun, build_pipeline, plan_pipeline
 from titan_simple.parallel.sharded_init import materialize_and_init
 from titan_simple.train.batching import accumulation_steps
@@ -42,6 +50,9 @@ class ModelParts:
     loss_parallel: bool  # the output is vocab-sharded: loss and backward run under loss_parallel_context
     num_params: int  # of the whole model, not this rank's share
     flops_per_token: float  # model FLOPs of training (6 N + attention), for TFLOP/s and MFU
+    # Set when the model compiles as one graph: compiles (in place) a module that wraps the model as ``.model``,
+    # so the training step compiles the model and its loss together.
+    compile_with_loss: Callable[[nn.Module], None] | None = None
 
     @property
     def model(self) -> nn.Module | None:
@@ -100,6 +111,12 @@ def build_model_parts(config: JobConfig, dims: ParallelDims, mesh: DeviceMesh | 
     num_params = count_parameters(model)
     flops = flops_per_token(args, count_parameters(model, exclude_embedding=True), training.seq_len)
     plan = pipeline_plan(config, dims)
+    loss_parallel = uses_loss_parallel(dims, config)
+    # A whole-model compile takes the loss into its graph (the step compiles both): not under pipeline parallel
+    # (the schedule calls the loss), tensor parallel (the loss runs on DTensors under loss_parallel) or a
+    # per-block compile.
+    whole_graph = config.compile.enable and plan is None and dims.tp == 1 and not compile_per_block(config, dims)
+    compile_with_loss = partial(compile_whole_model, config=config, plan_root="model") if whole_graph else None
     if plan is not None:
         # This rank's stages, each split off, parallelized and initialized like a whole model, and the schedule
         # that runs them.
@@ -107,12 +124,12 @@ def build_model_parts(config: JobConfig, dims: ParallelDims, mesh: DeviceMesh | 
         modules = pipeline.model_parts
     else:
         pipeline = None
-        model = parallelize_llama(model, dims, mesh, config, device)
+        model = parallelize_llama(model, dims, mesh, config, device, compile_whole=compile_with_loss is None)
         if materialize:
             materialize_and_init(model, device, training.seed)  # the same values on every layout
         modules = [model]
     return ModelParts(
         model_args=args, modules=modules, pipeline=pipeline, device=device if materialize else torch.device("meta"),
-        param_dtype=param_dtype_for(config, device), loss_parallel=uses_loss_parallel(dims, config),
-        num_params=num_params, flops_per_token=flops,
+        param_dtype=param_dtype_for(config, device), loss_parallel=loss_parallel,
+        num_params=num_params, flops_per_token=flops, compile_with_loss=compile_with_loss,
     )
