@@ -29,7 +29,7 @@ from titan_simple.parallel.dims import ParallelDims
 from titan_simple.parallel.pipeline import PipelinePlan
 from titan_simple.parallel.tensor_parallel import loss_parallel_context
 from titan_simple.planning.trace import Collective, OpCost, StepTracer, fused_attention, ignoring_shape_propagation
-from titan_simple.train.build import build_model_parts
+from titan_simple.train.build import build_model_parts, compiles_loss_with_model
 from titan_simple.train.optim import optimizer_from_config
 from titan_simple.train.step import TrainStep, build_train_step
 
@@ -57,7 +57,8 @@ def _local_bytes(tensors) -> int:
 
 
 def _trace_part(part: nn.Module, stage: int | None, plan: PipelinePlan | None, tracer: StepTracer,
-                config: JobConfig, dims: ParallelDims, mesh: DeviceMesh | None, train_step: TrainStep) -> StageTrace:
+                config: JobConfig, dims: ParallelDims, mesh: DeviceMesh | None, train_step: TrainStep,
+                compiled_loss: bool = False) -> StageTrace:
     compute_dtype, loss_parallel = train_step.parts.param_dtype, train_step.parts.loss_parallel
     training, parallelism = config.training, config.parallelism
     batch = parallelism.pipeline_parallel_microbatch_size if plan is not None else training.local_batch_size
@@ -81,6 +82,12 @@ def _trace_part(part: nn.Module, stage: int | None, plan: PipelinePlan | None, t
             with loss_parallel_context(loss_parallel):
                 loss = train_step.loss(out, labels, 1 / (batch * training.seq_len))  # the trainer's loss, exactly
                 kept = tracer.live - before
+                if compiled_loss:
+                    # The trace runs the loss eagerly, which keeps the fp32 log-probabilities [tokens, vocab]
+                    # for backward; compiled with the model (train/step.py ModelWithLoss) the fused
+                    # cross-entropy keeps the logits and one logsumexp per token instead. The peak is left as
+                    # traced (an upper bound).
+                    kept -= labels.numel() * _local_vocab(out) * 4
                 tracer.set_phase("backward")
                 loss.backward()
             boundary = 0
@@ -93,6 +100,12 @@ def _trace_part(part: nn.Module, stage: int | None, plan: PipelinePlan | None, t
     layers = [int(name) for name in part.layers.keys()]
     return StageTrace(stage, layers, kept, peak, boundary, len(transformer_block_plan(part)),
                       sum(1 for _ in part.parameters()))
+
+
+def _local_vocab(logits: torch.Tensor) -> int:
+    """This rank's share of the vocabulary dim of the output (plain tensors: all of it)."""
+    local = logits.to_local() if isinstance(logits, DTensor) else logits
+    return local.shape[-1]
 
 
 @dataclass
@@ -113,6 +126,7 @@ def trace_rank(config: JobConfig, dims: ParallelDims, mesh: DeviceMesh | None, p
     """Build this rank's model parts by the real recipe on the meta device and trace one step."""
     start = time.perf_counter()
     config = copy.deepcopy(config)
+    compiled_loss = compiles_loss_with_model(config, dims)  # what the real step would compile
     config.compile.enable = False  # compiling meta graphs would take minutes; the time model accounts for it
     # The trainer's build, left on the meta device (target: the device whose dtypes "auto" picks).
     model_parts = build_model_parts(config, dims, mesh, target, materialize=False)
@@ -135,7 +149,7 @@ def trace_rank(config: JobConfig, dims: ParallelDims, mesh: DeviceMesh | None, p
             tracer.track(tensor)
         for buffer in (b for part in parts for b in part.buffers()):
             tracer.track(buffer)
-        results = [_trace_part(part, stage, plan, tracer, config, dims, mesh, train_step)
+        results = [_trace_part(part, stage, plan, tracer, config, dims, mesh, train_step, compiled_loss)
                    for part, stage in zip(parts, stages, strict=True)]
         peak_at = tracer.peak_at
         tracer.set_phase("optimizer")

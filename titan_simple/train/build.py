@@ -101,6 +101,13 @@ def pipeline_plan(config: JobConfig, dims: ParallelDims) -> PipelinePlan | None:
     return plan_pipeline(config, LLAMA3_FLAVORS[config.model.flavor].n_layers, dims.pp)
 
 
+def compiles_loss_with_model(config: JobConfig, dims: ParallelDims) -> bool:
+    """Whether the training step compiles the loss into the model's graph: a whole-model compile without
+    pipeline parallel (the schedule calls the loss) or tensor parallel (the loss runs on DTensors under
+    loss_parallel)."""
+    return config.compile.enable and dims.pp == 1 and dims.tp == 1 and not compile_per_block(config, dims)
+
+
 def build_model_parts(config: JobConfig, dims: ParallelDims, mesh: DeviceMesh | None, device: torch.device, *,
                       materialize: bool = True) -> ModelParts:
     """Build, parallelize and (unless ``materialize=False``) initialize this rank's parts of the model. Every
@@ -112,11 +119,8 @@ def build_model_parts(config: JobConfig, dims: ParallelDims, mesh: DeviceMesh | 
     flops = flops_per_token(args, count_parameters(model, exclude_embedding=True), training.seq_len)
     plan = pipeline_plan(config, dims)
     loss_parallel = uses_loss_parallel(dims, config)
-    # A whole-model compile takes the loss into its graph (the step compiles both): not under pipeline parallel
-    # (the schedule calls the loss), tensor parallel (the loss runs on DTensors under loss_parallel) or a
-    # per-block compile.
-    whole_graph = config.compile.enable and plan is None and dims.tp == 1 and not compile_per_block(config, dims)
-    compile_with_loss = partial(compile_whole_model, config=config, plan_root="model") if whole_graph else None
+    compile_with_loss = (partial(compile_whole_model, config=config, plan_root="model")
+                         if compiles_loss_with_model(config, dims) else None)
     if plan is not None:
         # This rank's stages, each split off, parallelized and initialized like a whole model, and the schedule
         # that runs them.
