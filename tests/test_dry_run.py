@@ -127,3 +127,15 @@ def test_shipped_configs_dry_run_at_their_world_size(tmp_path, config, world_siz
     assert report["mesh"] == mesh and report["fits"]
     assert report["memory_bytes"]["peak"] < report["memory_bytes"]["device"]
     assert "tokens/s/GPU" in proc.stdout and report["tokens_per_second_per_gpu"] > 0
+
+
+def test_compiled_loss_is_modelled_as_keeping_no_fp32_log_probs(tmp_path):
+    """Where the training step compiles the loss with the model (one graph: no TP, no PP), the fused
+    cross-entropy keeps no fp32 [tokens, vocab] log-probabilities: the dry run's activations are exactly that
+    much smaller than the eager-loss layout's (tokens x vocab x 4 bytes per rank)."""
+    common = ("--config", "llama3_debug.toml", "--dry_run.world_size", "2", "--training.seq_len", "64",
+              "--training.local_batch_size", "2", "--dry_run.device", "cpu")
+    _, eager = dry_run(tmp_path / "eager", *common, "--compile.enable", "false")
+    _, compiled = dry_run(tmp_path / "compiled", *common, "--compile.enable", "true")
+    log_probs = 2 * 64 * LLAMA3_FLAVORS["debugmodel"].vocab_size * 4
+    assert eager["memory_bytes"]["activations"] - compiled["memory_bytes"]["activations"] == log_probs
