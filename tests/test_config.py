@@ -140,3 +140,26 @@ def test_train_py_reports_one_line_and_exit_code_2():
     assert result.stderr.strip().splitlines() == [
         "error: command line: unknown key 'stepz' in [training]. Did you mean 'steps'?"
     ]
+
+
+@pytest.mark.parametrize(("flags", "native", "cpu_dtype"), [
+    ("fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni", True, "bfloat16"),  # AVX512-BF16 (this project's EPYC)
+    ("fpu sse2 avx2 amx_tile amx_bf16", True, "bfloat16"),                # AMX
+    ("fpu sse2 avx2 avx512f avx512bw", False, "float32"),                 # bf16 only emulated: slower than fp32
+])
+def test_auto_precision_is_bf16_on_gpus_and_on_cpus_with_native_bf16(tmp_path, monkeypatch, flags, native, cpu_dtype):
+    import torch
+
+    from titan_simple.parallel import parallelize
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    assert parallelize.cpu_has_native_bf16(str(cpuinfo)) is native
+    assert parallelize.cpu_has_native_bf16(str(tmp_path / "missing")) is False  # no /proc: fp32, safe
+    monkeypatch.setattr(parallelize, "cpu_has_native_bf16", lambda: native)
+    config = load_job_config([])
+    assert config.training.mixed_precision_param == "auto"
+    assert parallelize.param_dtype_for(config, torch.device("cpu")) == getattr(torch, cpu_dtype)
+    assert parallelize.param_dtype_for(config, torch.device("cuda")) == torch.bfloat16  # GPUs: always bf16
+    pinned = load_job_config(["--training.mixed_precision_param", "float32"])
+    assert parallelize.param_dtype_for(pinned, torch.device("cpu")) == torch.float32

@@ -182,15 +182,14 @@ class LocalStep(TrainStep):
 
     def _forward_backward(self, inputs, labels, loss_scale):
         self.hooks.phase("forward")
-        if self.model_with_loss is not None:
-            loss_sum = self.model_with_loss(inputs, labels)
-            self.hooks.phase("backward")
-            (loss_sum * loss_scale).backward()
-            return loss_sum.detach()
-        with self.autocast():
-            output = self.parts.modules[0](inputs)
+        if self.model_with_loss is None:
+            with self.autocast():
+                output = self.parts.modules[0](inputs)
         with loss_parallel_context(self.parts.loss_parallel):
-            loss_sum = cross_entropy_sum(output, labels)
+            if self.model_with_loss is None:
+                loss_sum = cross_entropy_sum(output, labels)
+            else:  # never with loss parallel (build.compiles_loss_with_model): the context is a no-op here
+                loss_sum = self.model_with_loss(inputs, labels)
             self.hooks.phase("backward")
             (loss_sum * loss_scale).backward()
         return loss_sum.detach()
