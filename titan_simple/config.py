@@ -141,6 +141,14 @@ class Parallelism:
         "default (always, except under pipeline parallel where it would gather once per microbatch).",
         choices=("default", "always", "never"),
     )
+    fsdp_gather: str = option(
+        "auto", "When SimpleFSDP gathers weights in a step of several microbatches (pipeline microbatches or "
+        "gradient accumulation): per_microbatch (every microbatch all-gathers and reduce-scatters; least "
+        "memory), once_per_step (all-gather once, keep the unsharded weights and their gradients across the "
+        "microbatches, reduce-scatter once: 1/microbatches of the traffic, more memory), or auto (once_per_step "
+        "under pipeline parallel, where a rank holds one stage's weights; per_microbatch otherwise).",
+        choices=("auto", "per_microbatch", "once_per_step"),
+    )
 
 
 @dataclass

@@ -16,11 +16,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_simple.config import JobConfig
+from titan_simple.errors import ConfigError
 from titan_simple.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_simple.parallel.compile import compile_model
 from titan_simple.parallel.dims import ParallelDims, dp_mesh
 from titan_simple.parallel.fsdp2 import apply_fsdp2
 from titan_simple.parallel.simple_fsdp import MixedPrecisionPolicy, data_parallel
+from titan_simple.parallel.step_gather import choose_gather_mode
 from titan_simple.parallel.tensor_parallel import apply_tensor_parallel, keep_gradient_layouts
 
 logger = logging.getLogger(__name__)
@@ -51,7 +53,33 @@ def param_dtype_for(config: JobConfig, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def gather_mode(config: JobConfig, dims: ParallelDims) -> str:
+    """``per_microbatch`` or ``once_per_step`` (``[parallelism] fsdp_gather``, see ``step_gather.py``); raises
+    the ConfigError of a layout that cannot gather once per step."""
+    parallelism = config.parallelism
+    choice = parallelism.fsdp_gather
+    if not dims.dp_enabled or parallelism.fsdp_implementation != "simple":
+        if choice == "once_per_step":
+            raise ConfigError(
+                "[parallelism] fsdp_gather = 'once_per_step' needs SimpleFSDP with data parallel "
+                "(fsdp_implementation = 'simple' and a dp degree > 1); FSDP2 under pipeline parallel already "
+                "reduces once per step. Use fsdp_gather = 'auto'."
+            )
+        return "per_microbatch"
+    if dims.pp > 1 and parallelism.pipeline_parallel_schedule in ZERO_BUBBLE_SCHEDULES:
+        if choice == "once_per_step":
+            raise ConfigError(
+                f"[parallelism] fsdp_gather = 'once_per_step' does not work with pipeline_parallel_schedule = "
+                f"{parallelism.pipeline_parallel_schedule!r} (its split backward computes weight gradients of the "
+                "stored parameters, not of held weights); use fsdp_gather = 'auto' or another schedule."
+            )
+        return "per_microbatch"
+    return choose_gather_mode(choice, pipeline=dims.pp > 1, sharded=dims.data_parallel_mode != "replicate")
+
+
 def reshard_after_forward(config: JobConfig, dims: ParallelDims) -> bool:
+    if gather_mode(config, dims) == "once_per_step":
+        return False  # the weights are held for the whole step: there is nothing to free after forward
     choice = config.parallelism.fsdp_reshard_after_forward
     if choice == "default":
         # Under PP, resharding would add a second all-gather per microbatch (in its backward) to the one
@@ -70,18 +98,22 @@ def uses_loss_parallel(dims: ParallelDims, config: JobConfig) -> bool:
 
 # Pipeline schedules that split each backward into input and weight gradients by walking the autograd graph.
 ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
+# Pipeline schedules that run one stage per pp rank (the others run several).
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 
 
 def compile_per_block(config: JobConfig, dims: ParallelDims) -> bool:
     """Compile each transformer block rather than the whole model (or pipeline stage): with FSDP2, whose hooks
     break a whole-model graph (fullgraph fails in torch 2.13), and under the zero-bubble pipeline schedules,
     whose split backward gives wrong weight gradients through a whole compiled stage (measured: some are 0),
-    and for tensor parallel inside a pipeline stage, where AOTAutograd's partitioner fails on the last stage
-    (input activations that need gradients, vocab-sharded DTensor logits out: "Node tangents_2 was invalid,
-    but is output", torch 2.13)."""
+    and for tensor parallel inside pipeline stages when a pp rank runs several of them (Interleaved1F1B,
+    LoopedBFS): torch 2.13 fails to compile them (AOTAutograd's partitioner: "Node tangents_2 was invalid, but
+    is output"; scripts/repro_tp_pp_whole_stage_compile.py). With one stage per rank (GPipe, 1F1B) TP stages
+    compile whole."""
     if config.parallelism.fsdp_implementation != "simple":
         return True
-    if dims.pp > 1 and dims.tp > 1:
+    schedule = config.parallelism.pipeline_parallel_schedule
+    if dims.pp > 1 and dims.tp > 1 and schedule not in SINGLE_STAGE_SCHEDULES:
         return True
     return dims.pp > 1 and config.parallelism.pipeline_parallel_schedule in ZERO_BUBBLE_SCHEDULES
 

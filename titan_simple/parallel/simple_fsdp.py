@@ -68,6 +68,7 @@ class _GatherSpec:
 
     dp_dims: int
     mp_policy: MixedPrecisionPolicy
+    dp_mesh: DeviceMesh
     tp_mesh: DeviceMesh | None = None
     tp_placements: tuple[Placement, ...] = ()
 
@@ -81,6 +82,12 @@ def _gather(param: DTensor, spec: _GatherSpec) -> torch.Tensor:
         backward_dtype=spec.mp_policy.reduce_dtype,  # the reduce-scatter / all-reduce runs in reduce_dtype
     )
     local = unsharded.to_local(grad_placements=(Partial("sum"),) * dp + spec.tp_placements)
+    return _for_compute(local, param, spec)
+
+
+def _for_compute(local: torch.Tensor, param: DTensor, spec: _GatherSpec) -> torch.Tensor:
+    """What the module computes with, from the dp-unsharded local tensor: itself, or under tensor parallel a
+    DTensor on the TP mesh."""
     if spec.tp_mesh is None:
         return local
     return DTensor.from_local(
@@ -113,6 +120,8 @@ def _gathered_property(name: str) -> property:
         param = self._parameters[name]
         if param is None or not _GATHER_ENABLED:
             return param
+        if self._held_unsharded is not None:  # gathered once for the whole step (step_gather.py)
+            return _for_compute(self._held_unsharded[name], param, self._gather_specs[name])
         return _gather(param, self._gather_specs[name])
 
     return property(get, doc=f"``{name}``, all-gathered for compute (see simple_fsdp).")
@@ -126,7 +135,8 @@ def _parametrize(module: nn.Module, specs: dict[str, _GatherSpec]) -> None:
     DTensors stay in ``module._parameters``, so ``named_parameters()`` and ``state_dict()`` are unchanged."""
     key = (type(module), tuple(sorted(specs)))
     if key not in _PARAMETRIZED_CLASSES:
-        attrs = {name: _gathered_property(name) for name in key[1]}
+        attrs: dict = {name: _gathered_property(name) for name in key[1]}
+        attrs["_held_unsharded"] = None  # {name: unsharded local tensor} while step_gather holds them
         _PARAMETRIZED_CLASSES[key] = type(type(module).__name__, (type(module),), attrs)
     module._gather_specs = specs
     module.__class__ = _PARAMETRIZED_CLASSES[key]
@@ -157,7 +167,7 @@ def _joint_mesh(dp_mesh: DeviceMesh, tp_mesh: DeviceMesh) -> DeviceMesh:
 def _shard(param: torch.Tensor, mesh: DeviceMesh, dp_placements: tuple[Placement, ...], mp_policy):
     """The sharded DTensor that replaces ``param`` and the spec to gather it back. Every rank must hold the
     same values (same seed, or the meta device): each keeps its slice, nothing is communicated."""
-    spec = _GatherSpec(dp_dims=mesh.ndim, mp_policy=mp_policy)
+    spec = _GatherSpec(dp_dims=mesh.ndim, mp_policy=mp_policy, dp_mesh=mesh)
     if not isinstance(param, DTensor):
         return distribute_tensor(param.detach(), mesh, dp_placements, src_data_rank=None), spec
     # Tensor parallel (a 1-D TP mesh): dp placements first, then the TP ones, on the joint mesh.
@@ -177,7 +187,7 @@ def _shard(param: torch.Tensor, mesh: DeviceMesh, dp_placements: tuple[Placement
     sharded = DTensor.from_local(
         local, _joint_mesh(mesh, tp_mesh), placements, run_check=False, shape=param.shape, stride=param.stride()
     )
-    return sharded, _GatherSpec(mesh.ndim, mp_policy, tp_mesh, tp_placements)
+    return sharded, _GatherSpec(mesh.ndim, mp_policy, mesh, tp_mesh, tp_placements)
 
 
 def default_reshard_modules(model: nn.Module) -> list[nn.Module]:

@@ -112,7 +112,7 @@ def keep_gradient_layouts(model: nn.Module) -> nn.Module:
     """
     for module in list(model.modules()):
         specs = {
-            name: _GatherSpec(0, MixedPrecisionPolicy(), param.device_mesh, tuple(param.placements))
+            name: _GatherSpec(0, MixedPrecisionPolicy(), param.device_mesh, param.device_mesh, tuple(param.placements))
             for name, param in module.named_parameters(recurse=False)
             if isinstance(param, DTensor)
         }

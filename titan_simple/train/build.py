@@ -28,12 +28,14 @@ from titan_simple.parallel.dims import ParallelDims, validate_parallelism
 from titan_simple.parallel.parallelize import (
     compile_per_block,
     compile_whole_model,
+    gather_mode,
     parallelize_llama,
     param_dtype_for,
     uses_loss_parallel,
 )
 from titan_simple.parallel.pipeline import PipelinePlan, PipelineRun, build_pipeline, plan_pipeline
 from titan_simple.parallel.sharded_init import materialize_and_init
+from titan_simple.parallel.step_gather import StepGather
 from titan_simple.train.batching import accumulation_steps
 
 
@@ -53,6 +55,9 @@ class ModelParts:
     # Set when the model compiles as one graph: compiles (in place) a module that wraps the model as ``.model``,
     # so the training step compiles the model and its loss together.
     compile_with_loss: Callable[[nn.Module], None] | None = None
+    # Set when SimpleFSDP gathers once per step ([parallelism] fsdp_gather): the step calls gather() before its
+    # first microbatch and reduce() after its last.
+    step_gather: StepGather | None = None
 
     @property
     def model(self) -> nn.Module | None:
@@ -80,6 +85,7 @@ def check_layout(config: JobConfig, dims: ParallelDims) -> int:
     accumulation steps."""
     validate_parallelism(dims, flavor_args(config), config)
     pipeline_plan(config, dims)
+    gather_mode(config, dims)
     training = config.training
     return accumulation_steps(training.global_batch_size, training.local_batch_size, dims.dp)
 
@@ -132,8 +138,9 @@ def build_model_parts(config: JobConfig, dims: ParallelDims, mesh: DeviceMesh | 
         if materialize:
             materialize_and_init(model, device, training.seed)  # the same values on every layout
         modules = [model]
+    step_gather = StepGather(modules) if gather_mode(config, dims) == "once_per_step" else None
     return ModelParts(
         model_args=args, modules=modules, pipeline=pipeline, device=device if materialize else torch.device("meta"),
         param_dtype=param_dtype_for(config, device), loss_parallel=loss_parallel,
-        num_params=num_params, flops_per_token=flops, compile_with_loss=compile_with_loss,
+        num_params=num_params, flops_per_token=flops, compile_with_loss=compile_with_loss, step_gather=step_gather,
     )

@@ -51,7 +51,8 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 
 
 class StepHooks:
-    """Override what you need. ``phase`` is called with "forward", "backward" and "optimizer"."""
+    """Override what you need. ``phase`` is called with "forward", "backward" and "optimizer", and when SimpleFSDP
+    gathers once per step also with "gather" (before the first forward) and "reduce" (after the last backward)."""
 
     def begin(self) -> None:
         pass
@@ -110,10 +111,22 @@ class TrainStep:
         loss_scale = self.loss_scale(global_tokens)
         self.optimizer.zero_grad(set_to_none=not self.keep_grad_buffers)
         loss_sum = torch.zeros((), device=self.device)
-        for inputs, labels in batches:
-            batch_loss = self._forward_backward(inputs.to(self.device), labels.to(self.device), loss_scale)
-            if batch_loss is not None:
-                loss_sum += batch_loss
+        gather = self.parts.step_gather
+        if gather is not None:  # once per step: all-gather the weights now, reduce-scatter after the last batch
+            self.hooks.phase("gather")
+            gather.gather()
+        try:
+            for inputs, labels in batches:
+                batch_loss = self._forward_backward(inputs.to(self.device), labels.to(self.device), loss_scale)
+                if batch_loss is not None:
+                    loss_sum += batch_loss
+        except BaseException:
+            if gather is not None:
+                gather.release()
+            raise
+        if gather is not None:
+            self.hooks.phase("reduce")
+            gather.reduce()
         return self._combine_loss(loss_sum), global_tokens
 
     def clip_gradients(self) -> torch.Tensor:
