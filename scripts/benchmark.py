@@ -94,6 +94,13 @@ WORKLOADS: dict[str, Workload] = {
     "peer_seq512": Workload("peer_seq512", "TorchTitan debugmodel, seq 512", "debugmodel", seq_len=512,
                             local_batch_size=32,
                             extra=("--activation_checkpoint.mode=selective", "--training.mixed_precision_param=auto")),
+    # Pipeline parallel with data parallel (4 ranks: pp2 x dp_shard2), 8 microbatches of 32 tokens against 27M
+    # parameters: how often SimpleFSDP gathers decides the step ([parallelism] fsdp_gather, issue 14).
+    "comm_pp2": Workload("comm_pp2", "communication-heavy, pp2 x dp_shard2, 8 microbatches", "debugmodel_large",
+                         seq_len=32, local_batch_size=8,
+                         extra=("--parallelism.pipeline_parallel_degree=2", "--parallelism.data_parallel_shard_degree=2",
+                                "--parallelism.pipeline_parallel_schedule=1F1B",
+                                "--parallelism.pipeline_parallel_microbatch_size=1")),
     # For the end-to-end test only: the 6-layer debug model, a few tokens.
     "tiny": Workload("tiny", "smoke test", "debugmodel", seq_len=32, local_batch_size=1),
 }
@@ -137,6 +144,24 @@ def config_matrix() -> list[BenchConfig]:
         configs.append(BenchConfig(name, label, (*simple, *on, f"--compile.bucketing={bucketing}",
                                                  f"--compile.reorder={str(reorder).lower()}")))
     return configs
+
+
+def gather_configs() -> list[BenchConfig]:
+    """SimpleFSDP gathering per microbatch vs once per step (``[parallelism] fsdp_gather``), eager and compiled:
+    for the pipeline / accumulation workloads, so not part of ``all``; ``simple_eager`` / ``simple_default``
+    are the ``auto`` choice."""
+    simple = ("--parallelism.fsdp_implementation=simple",)
+    per_mb, once = "--parallelism.fsdp_gather=per_microbatch", "--parallelism.fsdp_gather=once_per_step"
+    return [
+        BenchConfig("simple_eager_per_mb", "SimpleFSDP eager, gather per microbatch",
+                    (*simple, "--compile.enable=false", per_mb)),
+        BenchConfig("simple_eager_once", "SimpleFSDP eager, gather once per step",
+                    (*simple, "--compile.enable=false", once)),
+        BenchConfig("simple_default_per_mb", "SimpleFSDP compiled, gather per microbatch",
+                    (*simple, "--compile.enable=true", per_mb)),
+        BenchConfig("simple_default_once", "SimpleFSDP compiled, gather once per step",
+                    (*simple, "--compile.enable=true", once)),
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -318,7 +343,10 @@ def worker_main(argv: list[str]) -> None:
     walls = [probe.ends[i] - probe.ends[i - 1] for i in range(1, steps)]
     measured = list(range(args.warmup, steps - (1 if probe.count_last else 0)))
     training = config.training
-    local_tokens = training.local_batch_size * training.seq_len
+    # This rank's share of the global batch: tensor- and pipeline-parallel ranks share their dp rank's tokens.
+    parallelism = config.parallelism
+    local_tokens = (training.local_batch_size * training.seq_len
+                    // (parallelism.tensor_parallel_degree * parallelism.pipeline_parallel_degree))
     mine = {
         "rank": rank,
         "build_s": build_s,
@@ -631,14 +659,15 @@ def driver_main(argv: list[str]) -> None:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
 
     all_configs = config_matrix()
+    known = [*all_configs, *gather_configs()]
     if args.list:
-        for c in all_configs:
-            print(f"{c.name:<22s} {c.label:<40s} {' '.join(c.overrides)}")
+        for c in known:
+            print(f"{c.name:<22s} {c.label:<42s} {' '.join(c.overrides)}")
         return
-    by_name = {c.name: c for c in all_configs}
+    by_name = {c.name: c for c in known}
     # In the order given: with --budget-minutes the first ones are the ones sure to run.
     configs = all_configs if args.configs == "all" else [by_name[n] for n in args.configs.split(",") if n in by_name]
-    unknown = set(args.configs.split(",")) - {c.name for c in all_configs} - {"all"}
+    unknown = set(args.configs.split(",")) - set(by_name) - {"all"}
     if unknown:
         raise SystemExit(f"unknown configuration(s) {sorted(unknown)}; --list shows them")
     workloads = [WORKLOADS[w] for w in args.workloads.split(",")]
@@ -647,7 +676,7 @@ def driver_main(argv: list[str]) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
 
     if args.profile:
-        config = next(c for c in all_configs if c.name == args.profile)
+        config = by_name[args.profile]
         table = out_dir / "profile.txt"
         result = launch(Run(0, workloads[0], world_sizes[0], config), args.steps, args.warmup, out_dir,
                         profile=str(table))
@@ -693,7 +722,7 @@ def driver_main(argv: list[str]) -> None:
     if not summaries:
         raise SystemExit("every job failed; see the logs above")
     order = {(w.name, ws, c.name): i for i, (w, ws, c) in
-             enumerate(itertools.product(workloads, sorted(world_sizes), all_configs))}
+             enumerate(itertools.product(workloads, sorted(world_sizes), known))}
     results = dict(sorted(aggregate(summaries).items(), key=lambda kv: order[kv[0]]))
     text = report(results, configs, args, argv, time.perf_counter() - start)
 
@@ -712,7 +741,7 @@ def driver_main(argv: list[str]) -> None:
         write_doc(text)
     plot_path = Path(args.plot) if args.plot else (PLOT if args.doc else None)
     if plot_path is not None:
-        plot(results, all_configs, plot_path)
+        plot(results, known, plot_path)
 
 
 def main() -> None:

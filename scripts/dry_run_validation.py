@@ -35,11 +35,14 @@ CASES: list[tuple[str, list[str], tuple[float, float] | None, tuple[float, float
     ("TorchTitan 70B, 256 H100, FSDP32 x TP8 (published with float8; predicted bf16)",
      ["--config", "llama3_70b.toml", "--dry_run.world_size", "256", "--dry_run.comm_overlap", "overlapped"],
      (830, 830), None),
-    ("TorchTitan 405B, 512 H100, FSDP8 x TP8 x PP8 (shipped config)",
+    ("TorchTitan 405B, 512 H100, FSDP8 x TP8 x PP8 (shipped config: SimpleFSDP gathers once per step)",
      ["--config", "llama3_405b.toml", "--dry_run.world_size", "512"], (100, 128), (72, 82)),
-    ("405B as above, dp comm overlapped",
-     ["--config", "llama3_405b.toml", "--dry_run.world_size", "512", "--dry_run.comm_overlap", "overlapped"],
+    ("405B as above, gathering per microbatch (fsdp_gather = per_microbatch), dp comm exposed",
+     ["--config", "llama3_405b.toml", "--dry_run.world_size", "512", "--parallelism.fsdp_gather", "per_microbatch"],
      (100, 128), (72, 82)),
+    ("405B as above, gathering per microbatch, dp comm overlapped",
+     ["--config", "llama3_405b.toml", "--dry_run.world_size", "512", "--parallelism.fsdp_gather", "per_microbatch",
+      "--dry_run.comm_overlap", "overlapped"], (100, 128), (72, 82)),
 ]
 
 

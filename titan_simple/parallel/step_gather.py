@@ -42,6 +42,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from titan_simple.parallel.simple_fsdp import _GatherSpec, default_reshard_modules
+from titan_simple.parallel.torch_private import StridedShard
 
 GATHER_MODES = ("auto", "per_microbatch", "once_per_step")
 
@@ -84,7 +85,8 @@ class _Bucket:
 
 def _dp_layout(param: DTensor, spec: _GatherSpec) -> tuple[int | None, int, int]:
     """(the dp mesh dim the parameter is sharded over or None, its size, this rank's coordinate on it)."""
-    dims = [i for i, p in enumerate(param.placements[: spec.dp_dims]) if p.is_shard()]
+    # _StridedShard (dp and TP both cutting dim 0) is not a Shard in torch 2.13, but shards dim 0 all the same.
+    dims = [i for i, p in enumerate(param.placements[: spec.dp_dims]) if p.is_shard() or isinstance(p, StridedShard)]
     if not dims:
         return None, 1, 0
     if len(dims) != 1 or param.placements[dims[0]].dim != 0:
@@ -137,7 +139,7 @@ class StepGather:
                 shard_dim, n, coordinate = _dp_layout(param, spec)
                 layout = (spec.dp_mesh, shard_dim, n, coordinate)
                 if group is not None and layout[:3] != group[:3]:
-                    raise ValueError("step_gather: a bucket's parameters must share their data-parallel layout")
+                    raise ValueError(f"step_gather: a bucket's parameters must share their data-parallel layout: {layout} vs {group}")
                 group = layout
                 shape = _unsharded_local_shape(param, spec)
                 entry = _Entry(module, name, param, spec, shape, _chunk_rows(shape[0], n))

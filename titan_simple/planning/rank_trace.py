@@ -8,7 +8,10 @@ device): the pipeline split (``plan_pipeline`` / ``split_stage``) and, per stage
 checkpointing -> SimpleFSDP (``parallelize_llama``). Then one microbatch's forward, the trainer's loss and
 backward per local stage (``train.step``), and the optimizer step, run on meta tensors under
 ``trace.StepTracer``: nothing is allocated, but every op, every saved activation, every recomputation and every
-collective the real step issues is seen with this rank's shapes. torch.compile is not run (it would trace for
+collective the real step issues is seen with this rank's shapes. When SimpleFSDP gathers once per step
+(``parallel/step_gather.py``) the trace gathers before the microbatch and reduces after it, as the step does:
+those collectives are tagged with the phases "gather" / "reduce" (once per step) and the held weights and
+gradients are live through the traced forward and backward. torch.compile is not run (it would trace for
 minutes); its effect enters the time model only (fused elementwise kernels, overlap).
 """
 
@@ -149,8 +152,15 @@ def trace_rank(config: JobConfig, dims: ParallelDims, mesh: DeviceMesh | None, p
             tracer.track(tensor)
         for buffer in (b for part in parts for b in part.buffers()):
             tracer.track(buffer)
+        gather = model_parts.step_gather  # once per step: the held weights are alive through every microbatch
+        if gather is not None:
+            tracer.set_phase("gather")
+            gather.gather()
         results = [_trace_part(part, stage, plan, tracer, config, dims, mesh, train_step, compiled_loss)
                    for part, stage in zip(parts, stages, strict=True)]
+        if gather is not None:
+            tracer.set_phase("reduce")
+            gather.reduce()
         peak_at = tracer.peak_at
         tracer.set_phase("optimizer")
         tracer.reset_peaks()

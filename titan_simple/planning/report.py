@@ -41,7 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titan_simple.config import JobConfig
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, count_parameters, flops_per_token
 from titan_simple.parallel.dims import MESH_DIM_ORDER, ParallelDims
-from titan_simple.parallel.parallelize import param_dtype_for
+from titan_simple.parallel.parallelize import compile_per_block, gather_mode, param_dtype_for
 from titan_simple.parallel.pipeline import PipelinePlan
 from titan_simple.planning.hardware import GIB, DeviceSpec
 from titan_simple.planning.rank_trace import RankTrace
@@ -52,6 +52,8 @@ from titan_simple.train.batching import accumulation_steps
 # a guess (a fused chain reads its inputs and writes its outputs once instead of once per op), not measured.
 COMPILED_ELEMENTWISE_FRACTION = 0.5
 DATA_PARALLEL_DIMS = ("dp_shard", "dp_replicate", "dp")
+# Traced phases whose collectives run once per step, not once per microbatch pass.
+ONCE_PER_STEP_PHASES = ("optimizer", "gather", "reduce")
 
 
 # ---------------------------------------------------------------------------------------------- mesh
@@ -138,15 +140,21 @@ def collective_seconds(kind: str, nbytes: float, dim: MeshDim, spec: DeviceSpec,
     return count * spec.collective_latency + wire / (bandwidth * spec.collective_efficiency)
 
 
-def comm_overlapped(config: JobConfig) -> bool:
+def comm_overlapped(config: JobConfig, dims: ParallelDims) -> bool:
+    """``auto``: overlapped when Inductor reorders the data-parallel collectives of a whole-model (or stage)
+    graph; a layout compiled block by block has no such graph."""
     choice = config.dry_run.comm_overlap
     if choice != "auto":
         return choice == "overlapped"
     compile_config = config.compile
-    return compile_config.enable and (compile_config.reorder or compile_config.bucketing == "auto")
+    whole_graph = compile_config.enable and not compile_per_block(config, dims)
+    return whole_graph and (compile_config.reorder or compile_config.bucketing == "auto")
 
 
-def suggestion(largest: str, config: JobConfig) -> str:
+def suggestion(largest: str, config: JobConfig, dims: ParallelDims) -> str:
+    if gather_mode(config, dims) == "once_per_step" and largest != "activations":
+        return ("[parallelism] fsdp_gather = 'per_microbatch' (gathering once per step holds this rank's unsharded "
+                "weights and their gradients through the step), or shard the weights further")
     if largest in ("parameters", "gradients", "optimizer state"):
         return ("shard the weights further: more data_parallel_shard_degree (fewer dp_replicate), or add "
                 "tensor_parallel_degree (within a node) / pipeline_parallel_degree")
@@ -168,7 +176,7 @@ def build_report(config: JobConfig, dims: ParallelDims, plan: PipelinePlan | Non
     accumulation = accumulation_steps(training.global_batch_size, training.local_batch_size, dims.dp)
     passes = (plan.n_microbatches if plan is not None else 1) * accumulation  # traced microbatch -> per step
     compiled = config.compile.enable
-    overlapped = comm_overlapped(config)
+    overlapped = comm_overlapped(config, dims)
 
     # ---- memory
     chunks = in_flight_chunks(plan, pp_rank)
@@ -194,12 +202,13 @@ def build_report(config: JobConfig, dims: ParallelDims, plan: PipelinePlan | Non
         by_category[op.category] += op_seconds(op, spec, compiled)
 
     # ---- collectives per step
-    rows: dict[tuple[str, str, str], dict[str, float]] = defaultdict(lambda: {"count": 0, "bytes": 0, "seconds": 0.0})
-    dp_comm_pass = exposed_pass = 0.0
+    rows: dict[tuple[str, str, str], dict[str, float]] = defaultdict(
+        lambda: {"count": 0, "bytes": 0, "seconds": 0.0, "once": 0})
+    dp_comm_pass = exposed_pass = dp_once_s = 0.0
     for c in trace.collectives:
         dim_name = dim_of_group.get(c.group, "world")
         dim = mdims.get(dim_name, MeshDim(dim_name, world, world <= spec.gpus_per_node))
-        per_step = 1 if c.phase == "optimizer" else passes
+        per_step = 1 if c.phase in ONCE_PER_STEP_PHASES else passes
         seconds = collective_seconds(c.kind, c.nbytes, dim, spec)
         row = rows[(dim_name, c.kind, c.dtype)]
         row["count"] += per_step
@@ -207,6 +216,9 @@ def build_report(config: JobConfig, dims: ParallelDims, plan: PipelinePlan | Non
         row["seconds"] += per_step * seconds
         if c.phase == "optimizer":
             optimizer_s += seconds
+        elif c.phase in ("gather", "reduce"):  # SimpleFSDP once per step: already one per bucket; not overlapped
+            row["once"] += 1
+            dp_once_s += seconds
         elif dim_name in DATA_PARALLEL_DIMS:
             dp_comm_pass += seconds
         else:
@@ -242,7 +254,7 @@ def build_report(config: JobConfig, dims: ParallelDims, plan: PipelinePlan | Non
         chunk_s = pass_s / len(trace.parts)
         factor = {"InterleavedZeroBubble": 1 / 3, "ZBVZeroBubble": 1 / 3}.get(plan.schedule, 1.0)
         bubble = (plan.pp - 1) * chunk_s * factor * accumulation
-    step_s = passes * pass_s + bubble + optimizer_s
+    step_s = passes * pass_s + bubble + optimizer_s + dp_once_s
     global_tokens = training.local_batch_size * dims.dp * accumulation * training.seq_len
     tokens_per_gpu = global_tokens / world / step_s
     model_flops = flops_per_token(args, _non_embedding_params(args), training.seq_len)
@@ -253,7 +265,8 @@ def build_report(config: JobConfig, dims: ParallelDims, plan: PipelinePlan | Non
          "link": ("NVLink" if mdims[d].intra_node else "inter-node") if d in mdims else "?", "kind": k,
          "dtype": dt, "count": int(v["count"]), "bytes": int(v["bytes"]), "seconds": v["seconds"],
          # What [compile] bucketing = "transformer_block" merges them into (one collective per bucket).
-         "count_bucketed": round(v["count"] * n_buckets / n_tensors) if d in DATA_PARALLEL_DIMS else int(v["count"])}
+         "count_bucketed": (int(v["once"]) + round((v["count"] - v["once"]) * n_buckets / n_tensors)
+                            if d in DATA_PARALLEL_DIMS else int(v["count"]))}
         for (d, k, dt), v in sorted(rows.items())
     ]
     return {
@@ -273,6 +286,7 @@ def build_report(config: JobConfig, dims: ParallelDims, plan: PipelinePlan | Non
         + (f" ({config.activation_checkpoint.selective_ac_option})"
            if config.activation_checkpoint.mode == "selective" else ""),
         "compiled": compiled,
+        "fsdp_gather": gather_mode(config, dims),
         "comm_overlapped": overlapped,
         "memory_bytes": {
             "parameters": trace.parameter_bytes,
@@ -287,15 +301,15 @@ def build_report(config: JobConfig, dims: ParallelDims, plan: PipelinePlan | Non
         "peak_at": trace.peak_at if fwd_bwd_peak >= trace.optimizer_peak_bytes else "optimizer step",
         "fits": fits,
         "largest_contributor": largest,
-        "suggestion": None if fits else suggestion(largest, config),
+        "suggestion": None if fits else suggestion(largest, config, dims),
         "collectives_per_step": collectives,
         "time_seconds": {
             "compute": passes * compute_pass,
             "compute_matmul": passes * by_category["matmul"],
             "compute_attention": passes * by_category["attention"],
             "compute_elementwise": passes * by_category["memory"],
-            "data_parallel_comm": passes * dp_comm_pass,
-            "data_parallel_comm_exposed": passes * dp_exposed_pass,
+            "data_parallel_comm": passes * dp_comm_pass + dp_once_s,
+            "data_parallel_comm_exposed": passes * dp_exposed_pass + dp_once_s,
             "tensor_parallel_and_other_comm_exposed": passes * exposed_pass,
             "pipeline_send_recv": passes * p2p_pass,
             "pipeline_bubble": bubble,
@@ -337,7 +351,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"mesh {r['mesh']}, rank {r['rank']}",
         f"  local batch {r['local_batch_size']} x seq {r['seq_len']}, AC {r['activation_checkpoint']}, "
         f"{'compiled' if r['compiled'] else 'eager'}, data-parallel comm "
-        f"{'overlapped' if r['comm_overlapped'] else 'exposed'}",
+        f"{'overlapped' if r['comm_overlapped'] else 'exposed'}, SimpleFSDP gathers {r['fsdp_gather'].replace('_', ' ')}",
     ]
     if pipe:
         lines.append(f"  pipeline {pipe['schedule']}: {pipe['stages']} stages, this rank runs {pipe['local_stages']}, "

@@ -1,0 +1,222 @@
+"""SimpleFSDP gathering once per step (``parallel/step_gather.py``, ``[parallelism] fsdp_gather``).
+
+Gradient accumulation (dp_shard2, 4 accumulation steps, 2 processes) and pipeline parallel (pp2 x dp_shard2, 8
+microbatches, 4 processes), 10 steps, fp32: once per step the data-parallel all-gathers and reduce-scatters of a
+step equal the buckets (one per block, embedding, norm, output), per microbatch they are multiplied by the
+microbatches; the losses of both modes equal the single-process reference (1e-6 eager, 1e-5 compiled).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.distributed_utils import run_on_ranks
+from tests.parity import Recipe, build_layout, max_rel_diff, train_reference
+from titan_simple.config import load_job_config
+from titan_simple.errors import ConfigError
+from titan_simple.parallel.dims import ParallelDims
+from titan_simple.parallel.parallelize import gather_mode
+from titan_simple.parallel.simple_fsdp import MixedPrecisionPolicy, data_parallel
+from titan_simple.parallel.step_gather import StepGather, _chunk_rows
+
+EAGER_RTOL, COMPILED_RTOL = 1e-6, 1e-5
+STEPS = 10
+ACCUMULATION = Recipe(global_batch=8, steps=STEPS)  # 2 dp ranks x 4 accumulation steps of 1 sequence
+PIPELINE = Recipe(global_batch=16, steps=STEPS)  # 2 dp ranks x 8 pipeline microbatches of 1 sequence
+DEBUG_TENSORS = 57  # parameter tensors of the debug model: 6 blocks x 9, embedding, norm, output
+
+
+class CollectiveCounter(TorchDispatchMode):
+    """Counts the c10d functional collectives DTensor issues (eager only: a dispatch mode stops compilation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] in (
+                "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"):
+            name = func.__name__.split(".")[0]
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _train(config, world_size: int, recipe: Recipe, batches_per_step: int, count: bool) -> dict:
+    """``recipe.steps`` steps, each rank's rows cut into ``batches_per_step`` accumulation batches; the global
+    mean losses, and the collectives of the last step."""
+    layout = build_layout(config, world_size)
+    rows = recipe.global_batch // layout.dp_size
+    mine = slice(layout.dp_rank * rows, (layout.dp_rank + 1) * rows)
+    out: dict = {"losses": []}
+    for step in range(recipe.steps):
+        inputs, labels = recipe.batch(step)
+        inputs, labels = inputs[mine], labels[mine]
+        batches = [(inputs[i::batches_per_step], labels[i::batches_per_step]) for i in range(batches_per_step)]
+        counter = CollectiveCounter()
+        if count:
+            with counter:
+                result = layout.step(batches)
+        else:
+            result = layout.step(batches)
+        loss_sum = result.loss_sum.clone()
+        dist.all_reduce(loss_sum, group=layout.mesh["dp_shard"].get_group())
+        out["losses"].append(loss_sum.item() / result.global_tokens)
+        out["collectives"] = counter.counts
+    gather = layout.parts.step_gather
+    out["buckets"] = None if gather is None else len(gather.buckets)
+    out["stages"] = [s.stage_index for s in layout.parts.pipeline.stages] if layout.parts.pipeline else None
+    return out
+
+
+def _run(rank: int, world_size: int, recipe: Recipe, layout: tuple[str, ...], batches_per_step: int,
+         cases: dict[str, tuple[str, ...]]) -> dict:
+    return {name: _train(recipe.config(*layout, *extra), world_size, recipe, batches_per_step,
+                         count="compile" not in name)
+            for name, extra in cases.items()}
+
+
+CASES = {
+    "per_microbatch": ("--parallelism.fsdp_gather=per_microbatch",),
+    "once_per_step": ("--parallelism.fsdp_gather=once_per_step",),
+    "once_per_step/compiled": ("--parallelism.fsdp_gather=once_per_step", "--compile.enable"),
+}
+
+
+@pytest.fixture(scope="module")
+def accumulation() -> list[dict]:
+    layout = ("--parallelism.data_parallel_shard_degree=2", "--training.local_batch_size=1",
+              "--training.global_batch_size=8")
+    return run_on_ranks(_run, 2, args=(ACCUMULATION, layout, 4, CASES))
+
+
+@pytest.fixture(scope="module")
+def pipeline() -> list[dict]:
+    layout = ("--parallelism.data_parallel_shard_degree=2", "--parallelism.pipeline_parallel_degree=2",
+              "--parallelism.pipeline_parallel_schedule=1F1B", "--training.local_batch_size=8",
+              "--parallelism.pipeline_parallel_microbatch_size=1")
+    return run_on_ranks(_run, 4, args=(PIPELINE, layout, 1, CASES))
+
+
+@pytest.mark.slow
+def test_accumulation_gathers_once_per_step(accumulation):
+    reference = train_reference(ACCUMULATION, keep_grads=False)["losses"]
+    for rank in accumulation:
+        assert rank["once_per_step"]["buckets"] == 9  # 6 blocks, embedding, norm, output
+        # Per microbatch: every tensor gathered in forward and again in backward (resharding), reduced once.
+        assert rank["per_microbatch"]["collectives"] == {"all_gather_into_tensor": 2 * 4 * DEBUG_TENSORS,
+                                                         "reduce_scatter_tensor": 4 * DEBUG_TENSORS}
+        assert rank["once_per_step"]["collectives"] == {"all_gather_into_tensor": 9, "reduce_scatter_tensor": 9}
+        assert max_rel_diff(rank["per_microbatch"]["losses"], reference) <= EAGER_RTOL
+        assert max_rel_diff(rank["once_per_step"]["losses"], reference) <= EAGER_RTOL
+        assert max_rel_diff(rank["once_per_step"]["losses"], rank["per_microbatch"]["losses"]) <= EAGER_RTOL
+        assert max_rel_diff(rank["once_per_step/compiled"]["losses"], reference) <= COMPILED_RTOL
+
+
+@pytest.mark.slow
+def test_pipeline_gathers_once_per_step(pipeline):
+    reference = train_reference(PIPELINE, keep_grads=False)["losses"]
+    for rank in pipeline:
+        stage = rank["once_per_step"]["stages"]
+        buckets = 4 if stage == [0] else 5  # 3 blocks + embedding | 3 blocks + norm + output
+        tensors = 3 * 9 + (1 if stage == [0] else 2)
+        assert rank["once_per_step"]["buckets"] == buckets
+        # Per microbatch (no resharding under PP by default): one all-gather and one reduce-scatter per tensor
+        # and microbatch.
+        assert rank["per_microbatch"]["collectives"] == {"all_gather_into_tensor": 8 * tensors,
+                                                         "reduce_scatter_tensor": 8 * tensors}
+        assert rank["once_per_step"]["collectives"] == {"all_gather_into_tensor": buckets,
+                                                        "reduce_scatter_tensor": buckets}
+        assert max_rel_diff(rank["per_microbatch"]["losses"], reference) <= EAGER_RTOL
+        assert max_rel_diff(rank["once_per_step"]["losses"], reference) <= EAGER_RTOL
+        assert max_rel_diff(rank["once_per_step/compiled"]["losses"], reference) <= COMPILED_RTOL
+
+
+# ---------------------------------------------------------------------------------------------- the pieces
+
+
+def test_chunk_rows_is_dtensors_split():
+    for size in range(0, 12):
+        for n in (1, 2, 3, 4, 8):
+            expected = [len(c) for c in torch.arange(size).chunk(n)] if size else []
+            assert _chunk_rows(size, n) == expected + [0] * (n - len(expected)), (size, n)
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ((), "per_microbatch"),  # no pipeline: holding the whole model unsharded would undo FSDP
+    (("--parallelism.pipeline_parallel_degree=2", "--training.local_batch_size=4"), "once_per_step"),
+    (("--parallelism.pipeline_parallel_degree=2", "--training.local_batch_size=4",
+      "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble"), "per_microbatch"),
+    (("--parallelism.pipeline_parallel_degree=2", "--training.local_batch_size=4",
+      "--parallelism.fsdp_implementation=fsdp2"), "per_microbatch"),
+    (("--parallelism.fsdp_gather=once_per_step",), "once_per_step"),
+])
+def test_auto_gather_mode(overrides, expected):
+    config = load_job_config(["--config", "llama3_debug.toml", *overrides])
+    assert gather_mode(config, ParallelDims.from_config(config, 4)) == expected
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (("--parallelism.fsdp_implementation=fsdp2",), "needs SimpleFSDP"),
+    (("--parallelism.pipeline_parallel_degree=2", "--training.local_batch_size=4",
+      "--parallelism.pipeline_parallel_schedule=ZBVZeroBubble"), "does not work with"),
+])
+def test_once_per_step_where_it_cannot_work_is_a_config_error(overrides, message):
+    config = load_job_config(["--config", "llama3_debug.toml", "--parallelism.fsdp_gather=once_per_step", *overrides])
+    with pytest.raises(ConfigError, match=message):
+        gather_mode(config, ParallelDims.from_config(config, 4))
+
+
+class _Uneven(nn.Module):
+    """Dim-0 sizes that 2 ranks cannot split evenly, and a parameter a step may leave unused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 5)
+        self.b = nn.Linear(5, 3)
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _grads_both_ways(rank: int, world_size: int, mode: str, param_dtype) -> dict:
+    mesh = init_device_mesh("cpu", (world_size,))
+    torch.manual_seed(0)
+    batches = [torch.randn(3, 4) for _ in range(3)]
+    grads = {}
+    for once in (False, True):
+        torch.manual_seed(1)
+        model = data_parallel(_Uneven(), mesh, mode=mode,
+                              mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32))
+        gather = StepGather([model]) if once else None
+        if gather:
+            gather.gather()
+        for x in batches:  # every rank computes on its own microbatches: rank-dependent data
+            model((x * (rank + 1)).to(param_dtype)).float().square().sum().backward()
+        if gather:
+            gather.reduce()
+            assert all(m._held_unsharded is None for m in model.modules() if hasattr(m, "_gather_specs"))
+        grads[once] = {n: (p.grad.full_tensor() if p.grad is not None else None) for n, p in model.named_parameters()}
+    return grads
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("mode", "param_dtype", "rtol"), [
+    ("fully_shard", torch.float32, 1e-6),
+    ("replicate", torch.float32, 1e-6),
+    ("fully_shard", torch.bfloat16, 1e-2),  # bf16 compute; both reduce in fp32 (once: a fp32 accumulator)
+])
+def test_uneven_shards_unused_parameters_and_mixed_precision(mode, param_dtype, rtol):
+    per_microbatch, once = run_on_ranks(_grads_both_ways, 2, args=(mode, param_dtype))[0].values()
+    assert once.keys() == per_microbatch.keys()
+    for name, expected in per_microbatch.items():
+        if expected is None:  # unused: no gradient either way
+            assert once[name] is None, name
+            continue
+        assert once[name].dtype == torch.float32
+        torch.testing.assert_close(once[name], expected, rtol=rtol, atol=rtol * expected.abs().max().item())
