@@ -11,13 +11,13 @@ import logging
 import os
 import sys
 
-from titan_simple.errors import NonFiniteTraining, UserError
+from titan_simple.errors import ConfigError, NonFiniteTraining, UserError
 
 
 def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
+    logging.basicConfig(  # rank 0 speaks for the job: the other ranks log errors only
+        level=logging.INFO if rank == 0 else logging.ERROR,
         format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
@@ -40,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         shutdown_distributed()
     except UserError as error:  # ConfigError, CheckpointError: one line, no traceback
-        print(f"error: {error}", file=sys.stderr)
+        # A config error is the same on every rank: rank 0 says it once for the job. Others (a checkpoint one
+        # rank cannot write) come from the rank that saw them.
+        if rank == 0 or not isinstance(error, ConfigError):
+            print(f"error: {error}", file=sys.stderr)
         return 2
     except NonFiniteTraining as error:
         print(f"error: {error}", file=sys.stderr)

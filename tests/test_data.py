@@ -16,7 +16,7 @@ import torch
 from titan_simple.data import Tokenizer, build_dataloader
 from titan_simple.data.datasets import load_documents, shakespeare_files
 from titan_simple.data.tokenizer import llama3_special_tokens
-from titan_simple.errors import ConfigError
+from titan_simple.errors import ConfigError, DataError
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
@@ -191,9 +191,9 @@ def test_ranks_get_different_batches(tokenizer: Tokenizer) -> None:
             assert not torch.equal(a[0], b[0])
 
 
-def test_rank_without_documents_is_a_config_error(tmp_path: Path, tokenizer: Tokenizer) -> None:
+def test_rank_without_documents_is_a_data_error(tmp_path: Path, tokenizer: Tokenizer) -> None:
     data = write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS[:1])
-    with pytest.raises(ConfigError, match="no documents"):
+    with pytest.raises(DataError, match="no documents"):
         next(iter(loader(tokenizer, dataset="json", dataset_path=str(data), dp_rank=1, dp_world_size=2)))
 
 
@@ -293,5 +293,86 @@ def test_unknown_dataset_or_split_is_a_config_error(tokenizer: Tokenizer, tmp_pa
         loader(tokenizer, dataset="c4")
     with pytest.raises(ConfigError, match="unknown split 'test'"):
         loader(tokenizer, split="test")
-    with pytest.raises(ConfigError, match="no \\*_gut.txt files"):
+    with pytest.raises(ConfigError, match="matches no file.*set --training.dataset text, json or parquet"):
         loader(tokenizer, dataset_path=str(tmp_path))
+
+
+# ------------------------------------------------------------------------------ the global order (training)
+
+
+def global_loader(tokenizer: Tokenizer, rows: int, dp_rank: int, dp_size: int, local_batch: int, **overrides):
+    return loader(tokenizer, seq_len=16, local_batch_size=local_batch, dp_rank=dp_rank, dp_world_size=dp_size,
+                  global_rows=rows, shuffle_seed=0, **overrides)
+
+
+def test_global_batches_are_the_same_on_every_layout(tokenizer: Tokenizer) -> None:
+    """8 rows per global batch: 1 rank x 8, 2 ranks x 4, 4 ranks x 2 rows, and 2 ranks x 2 accumulation
+    batches of 2: row for row the same sequences in every step."""
+    steps = 3
+    one = take(iter(global_loader(tokenizer, 8, 0, 1, 8)), steps)
+    for dp, local, accumulation in ((2, 4, 1), (4, 2, 1), (2, 2, 2)):
+        ranks = [take(iter(global_loader(tokenizer, 8, r, dp, local)), steps * accumulation) for r in range(dp)]
+        for step in range(steps):
+            rows = torch.cat([b[0] for r in range(dp) for b in ranks[r][step * accumulation:(step + 1) * accumulation]])
+            assert torch.equal(rows, one[step][0]), (dp, local, accumulation, step)
+
+
+def test_resume_on_another_dp_size_continues_the_global_order(tokenizer: Tokenizer) -> None:
+    whole = global_loader(tokenizer, 4, 0, 1, 4)
+    iterator = iter(whole)
+    take(iterator, 5)
+    saved = whole.dataset.stream_states()
+    expected = take(iterator, 3)
+    for dp in (2, 4):
+        ranks = [global_loader(tokenizer, 4, r, dp, 4 // dp) for r in range(dp)]
+        for rank in ranks:
+            rank.dataset.load_stream_states({row: saved[row] for row in rank.dataset.streams})
+        got = [take(iter(rank), 3) for rank in ranks]
+        for step in range(3):
+            assert torch.equal(torch.cat([got[r][step][0] for r in range(dp)]), expected[step][0]), (dp, step)
+
+
+def test_shuffle_changes_the_order_per_seed_and_epoch(tokenizer: Tokenizer) -> None:
+    from titan_simple.data.global_order import file_order
+    files = [Path(f"{i}.txt") for i in range(10)]
+    assert file_order(files, None, 3) == files
+    assert file_order(files, 0, 0) == file_order(files, 0, 0) != files
+    assert file_order(files, 0, 1) != file_order(files, 0, 0)
+    assert sorted(file_order(files, 5, 2)) == sorted(files)
+    first = take(iter(global_loader(tokenizer, 2, 0, 1, 2)), 1)[0][0]
+    unshuffled = take(iter(loader(tokenizer, seq_len=16, global_rows=2, shuffle_seed=None)), 1)[0][0]
+    assert not torch.equal(first, unshuffled)
+
+
+def test_builtin_name_with_your_own_folder_reads_it(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    write_jsonl(tmp_path / "mine.jsonl", DOCUMENTS)
+    inputs, _ = next(iter(loader(tokenizer, dataset_path=str(tmp_path), seq_len=8, global_rows=2)))
+    assert "Document" in tokenizer.decode(inputs[0].tolist())
+
+
+def test_empty_files_are_skipped_with_a_warning(tmp_path: Path, tokenizer: Tokenizer, caplog) -> None:
+    pq.write_table(pa.table({"text": DOCUMENTS}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"text": pa.array([], type=pa.string())}), tmp_path / "b.parquet")
+    (tmp_path / "c.parquet").write_bytes(b"")
+    with caplog.at_level("WARNING"):
+        batch = next(iter(loader(tokenizer, dataset="auto", dataset_path=str(tmp_path), seq_len=8)))
+    assert batch[0].shape == (2, 8)
+    skipped = sorted(Path(r.args[0]).name for r in caplog.records if "holds no documents" in r.getMessage())
+    assert skipped == ["b.parquet", "c.parquet"]
+    (tmp_path / "a.parquet").unlink()
+    with pytest.raises(ConfigError, match="every parquet file is empty"):
+        loader(tokenizer, dataset="auto", dataset_path=str(tmp_path))
+
+
+def test_unreadable_files_are_one_line_naming_them(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(ConfigError, match="broken.parquet is not a readable parquet file") as error:
+        loader(tokenizer, dataset="auto", dataset_path=str(tmp_path))
+    assert "\n" not in str(error.value)
+    bad = tmp_path / "bad" / "bad.jsonl"
+    bad.parent.mkdir()
+    bad.write_text('{"text": "fine"}\n{"text": unquoted}\n')
+    with pytest.raises((ConfigError, DataError), match="bad.jsonl cannot be read") as error:
+        take(iter(loader(tokenizer, dataset="json", dataset_path=str(bad), seq_len=4, global_rows=1,
+                         local_batch_size=1)), 50)
+    assert "\n" not in str(error.value)

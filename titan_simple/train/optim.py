@@ -11,6 +11,8 @@ tensor (``tests/test_optim.py`` checks bitwise equality).
 
 from __future__ import annotations
 
+import logging
+
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -27,6 +29,8 @@ if TYPE_CHECKING:
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
 IMPLEMENTATIONS = ("foreach", "for-loop", "fused")
 DECAY_TYPES = ("linear", "sqrt", "cosine", "constant")
+
+logger = logging.getLogger(__name__)
 
 
 def _implementation_kwargs(implementation: str) -> dict[str, bool]:
@@ -145,11 +149,6 @@ def build_lr_scheduler(
         raise ConfigError(f"[training] steps = {steps!r} is impossible; use a positive number of steps.")
     if warmup_steps < 0:
         raise ConfigError(f"[lr_scheduler] warmup_steps = {warmup_steps!r} is impossible; use a value >= 0.")
-    if warmup_steps > steps:
-        raise ConfigError(
-            f"[lr_scheduler] warmup_steps = {warmup_steps} exceeds [training] steps = {steps}; "
-            f"lower warmup_steps or raise steps."
-        )
     if decay_type not in DECAY_TYPES:
         raise ConfigError(
             f"[lr_scheduler] decay_type = {decay_type!r} is not supported; "
@@ -163,13 +162,14 @@ def build_lr_scheduler(
         raise ConfigError(
             f"[lr_scheduler] min_lr_factor = {min_lr_factor!r} is impossible; use a fraction in [0, 1]."
         )
-    decay_steps = 0 if decay_type == "constant" else decay_steps_for(steps, warmup_steps, decay_ratio)
+    decay_steps = 0 if decay_type == "constant" else decay_steps_for(steps, min(warmup_steps, steps), decay_ratio)
     if warmup_steps + decay_steps > steps:
-        raise ConfigError(
-            f"[lr_scheduler] warmup_steps = {warmup_steps} plus decay_ratio = {decay_ratio} x {steps} "
-            f"= {decay_steps} decay steps exceeds [training] steps = {steps}; "
-            f"lower decay_ratio or warmup_steps."
-        )
+        # A short run (the first thing people try): keep the decay, shorten the warmup to what is left.
+        shortened = steps - decay_steps
+        logger.warning(
+            "[lr_scheduler] warmup_steps = %d plus %d decay steps (decay_ratio = %s) exceed [training] steps = %d: "
+            "warmup shortened to %d steps for this run", warmup_steps, decay_steps, decay_ratio, steps, shortened)
+        warmup_steps = shortened
     schedule = WarmupStableDecay(
         warmup_steps=warmup_steps, decay_steps=decay_steps, total_steps=steps,
         decay_type=decay_type, min_lr_factor=min_lr_factor,

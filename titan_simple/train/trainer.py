@@ -63,6 +63,9 @@ class Trainer:
             local_batch_size=training.local_batch_size,
             dp_rank=self.dp_rank,
             dp_world_size=self.dp_size,
+            # The layout-invariant order: one stream per row of the global batch (data/global_order.py).
+            global_rows=training.local_batch_size * self.dp_size * self.gradient_accumulation_steps,
+            shuffle_seed=training.seed if training.shuffle else None,
         )
         self.parts = build_model_parts(config, self.dims, self.mesh, self.device)
         self.model_parts = self.parts.modules
