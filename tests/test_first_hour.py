@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -34,6 +35,14 @@ def train(dump: Path, nproc: int, *extra: str, timeout: int = 900) -> subprocess
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
 
+def train_in_process(dump: Path, *extra: str) -> int:
+    """``train.main`` in this process (one rank): the entry point without the interpreter start-up."""
+    spec = importlib.util.spec_from_file_location("train_entry", REPO / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main([*COMMON, "--job.dump_folder", str(dump), *extra])
+
+
 def losses(dump: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss_metrics/global_avg_loss"] for r in records}
@@ -44,8 +53,9 @@ def max_rel(a: dict[int, float], b: dict[int, float]) -> float:
     return max(abs(a[k] - b[k]) / abs(b[k]) for k in a)
 
 
+CHECKPOINT_EVERY_4 = ("--checkpoint.enable", "--checkpoint.interval", "4")
 LAYOUTS = {
-    "fully_shard2": (2, "--training.local_batch_size", "4"),
+    "fully_shard2": (2, "--training.local_batch_size", "4", *CHECKPOINT_EVERY_4),  # also the resume tests' save
     "hybrid2x2": (4, "--training.local_batch_size", "2", "--parallelism.data_parallel_replicate_degree", "2",
                   "--parallelism.data_parallel_shard_degree", "2"),
     "dp2_tp2": (4, "--training.local_batch_size", "4", "--parallelism.tensor_parallel_degree", "2"),
@@ -60,21 +70,34 @@ def single(tmp_path_factory) -> dict[int, float]:
     return losses(dump)
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Each layout's dump folder, trained once for the module."""
+    return {}
+
+
+def run_layout(runs: dict[str, Path], tmp_path_factory, layout: str) -> Path:
+    if layout not in runs:
+        dump = tmp_path_factory.mktemp(layout)
+        nproc, *extra = LAYOUTS[layout]
+        result = train(dump, nproc, *extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "set_vital" not in result.stderr  # torchdata's deprecation warning is not shown on every start
+        runs[layout] = dump
+    return runs[layout]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_every_layout_sees_the_same_data(single, layout, tmp_path):
-    nproc, *extra = LAYOUTS[layout]
-    result = train(tmp_path, nproc, *extra)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert max_rel(losses(tmp_path), single) <= RTOL
+def test_every_layout_sees_the_same_data(single, runs, tmp_path_factory, layout):
+    dump = run_layout(runs, tmp_path_factory, layout)
+    assert max_rel(losses(dump), single) <= RTOL
     assert single[10] < single[1]
 
 
 @pytest.mark.slow
-def test_a_checkpoint_of_two_processes_continues_on_one_and_on_four(single, tmp_path):
-    saved = tmp_path / "two"
-    result = train(saved, 2, "--training.local_batch_size", "4", "--checkpoint.enable", "--checkpoint.interval", "4")
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_a_checkpoint_of_two_processes_continues_on_one_and_on_four(single, runs, tmp_path_factory, tmp_path):
+    saved = run_layout(runs, tmp_path_factory, "fully_shard2")  # saved every 4 steps
     uninterrupted = losses(saved)
     step4 = saved / "checkpoint" / "step-4"
     assert step4.is_dir()
@@ -97,34 +120,40 @@ def test_a_checkpoint_of_two_processes_continues_on_one_and_on_four(single, tmp_
 
 
 @pytest.mark.parametrize("steps", [1, 3, 6])
-def test_short_runs_of_the_debug_config_just_work(steps, tmp_path):
-    result = train(tmp_path, 1, "--training.steps", str(steps), "--training.local_batch_size", "2")
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_short_runs_of_the_debug_config_just_work(steps, tmp_path, caplog):
+    with caplog.at_level("WARNING"):
+        assert train_in_process(tmp_path, "--training.steps", str(steps), "--training.local_batch_size", "2") == 0
     assert sorted(losses(tmp_path)) == list(range(1, steps + 1))
-    if steps < 10:  # warmup 5 + decay 0.5 x steps do not fit: shortened, said once
-        assert result.stderr.count("warmup shortened") == 1
-    assert "set_vital" not in result.stderr
+    # warmup 5 + decay 0.5 x steps do not fit: shortened, said once
+    assert sum("warmup shortened" in r.getMessage() for r in caplog.records) == 1
 
 
 # ---------------------------------------------------------------------------------------------- bad input
 
 
-def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str, code: int = 2) -> None:
-    """``code``: train.py exits 2; torchrun reports a failed worker as 1."""
-    assert result.returncode == code, result.stderr[-3000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, result.stderr[-3000:]  # torchrun adds its own report of the failed ranks after it
+def assert_one_line_error(stderr: str, code: int, *fragments: str, expected_code: int = 2) -> None:
+    """``expected_code``: train.py exits 2; torchrun reports a failed worker as 1."""
+    assert code == expected_code, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, stderr[-3000:]  # torchrun adds its own report of the failed ranks after it
     for fragment in fragments:
         assert fragment in errors[0], errors[0]
 
 
-def test_your_own_folder_without_data_files_says_to_set_the_dataset(tmp_path):
+def bad_input(tmp_path: Path, capsys, *extra: str) -> tuple[str, int]:
+    """``train.main`` on bad input: its stderr (no traceback may reach it) and exit status."""
+    code = train_in_process(tmp_path / "dump", *extra)
+    stderr = capsys.readouterr().err
+    assert "Traceback" not in stderr, stderr
+    return stderr, code
+
+
+def test_your_own_folder_without_data_files_says_to_set_the_dataset(tmp_path, capsys):
     folder = tmp_path / "my_folder"
     folder.mkdir()
     (folder / "notes.md").write_text("not a data file")
-    result = train(tmp_path / "dump", 1, "--training.dataset_path", str(folder))
-    assert_one_line_error(result, str(folder), "--training.dataset")
-    assert "Traceback" not in result.stderr
+    assert_one_line_error(*bad_input(tmp_path, capsys, "--training.dataset_path", str(folder)),
+                          str(folder), "--training.dataset")
 
 
 def test_your_own_folder_is_read(tmp_path):
@@ -132,31 +161,29 @@ def test_your_own_folder_is_read(tmp_path):
     folder.mkdir()
     (folder / "a.jsonl").write_text("".join(json.dumps({"text": f"line {i} of my own text. " * 40}) + "\n"
                                             for i in range(40)))
-    result = train(tmp_path / "dump", 1, "--training.dataset_path", str(folder), "--training.steps", "2",
-                   "--training.local_batch_size", "2")
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert train_in_process(tmp_path / "dump", "--training.dataset_path", str(folder), "--training.steps", "2",
+                            "--training.local_batch_size", "2") == 0
 
 
-def test_a_folder_of_empty_parquet_files_is_one_line(tmp_path):
+def test_a_folder_of_empty_parquet_files_is_one_line(tmp_path, capsys):
     folder = tmp_path / "data"
     folder.mkdir()
     pq.write_table(pa.table({"text": pa.array([], type=pa.string())}), folder / "empty.parquet")
-    result = train(tmp_path / "dump", 1, "--training.dataset", "parquet", "--training.dataset_path", str(folder))
-    assert_one_line_error(result, "empty")
-    assert "Traceback" not in result.stderr and "ArrowInvalid" not in result.stderr
+    stderr, code = bad_input(tmp_path, capsys, "--training.dataset", "parquet", "--training.dataset_path", str(folder))
+    assert_one_line_error(stderr, code, "empty")
+    assert "ArrowInvalid" not in stderr
 
 
-def test_an_unreadable_file_is_one_line_naming_it(tmp_path):
+def test_an_unreadable_file_is_one_line_naming_it(tmp_path, capsys):
     folder = tmp_path / "data"
     folder.mkdir()
     (folder / "broken.parquet").write_bytes(b"PAR1 but not really")
-    result = train(tmp_path / "dump", 1, "--training.dataset", "auto", "--training.dataset_path", str(folder))
-    assert_one_line_error(result, "broken.parquet")
-    assert "Traceback" not in result.stderr
+    assert_one_line_error(*bad_input(tmp_path, capsys, "--training.dataset", "auto", "--training.dataset_path",
+                                     str(folder)), "broken.parquet")
 
 
 @pytest.mark.slow
 def test_a_config_error_is_said_once_per_job(tmp_path):
     result = train(tmp_path, 2, "--training.local_batch_size", "3")  # 8 is not a multiple of 3 x 2
-    assert_one_line_error(result, "global_batch_size", code=1)
+    assert_one_line_error(result.stderr, result.returncode, "global_batch_size", expected_code=1)
     assert "set_vital" not in result.stderr
