@@ -98,7 +98,8 @@ WORKLOADS: dict[str, Workload] = {
     # parameters: how often SimpleFSDP gathers decides the step ([parallelism] fsdp_gather, issue 14).
     "comm_pp2": Workload("comm_pp2", "communication-heavy, pp2 x dp_shard2, 8 microbatches", "debugmodel_large",
                          seq_len=32, local_batch_size=8,
-                         extra=("--parallelism.pipeline_parallel_degree=2", "--parallelism.data_parallel_shard_degree=2",
+                         extra=("--parallelism.pipeline_parallel_degree=2",
+                                "--parallelism.data_parallel_shard_degree=2",
                                 "--parallelism.pipeline_parallel_schedule=1F1B",
                                 "--parallelism.pipeline_parallel_microbatch_size=1")),
     # For the end-to-end test only: the 6-layer debug model, a few tokens.

@@ -24,8 +24,8 @@ import torch  # noqa: E402
 
 
 def one_step(rank: int, world_size: int, schedule: str, loss_parallel: bool) -> str:
-    from titan_simple.parallel import parallelize
     from tests.parity import Recipe, build_layout
+    from titan_simple.parallel import parallelize
 
     parallelize.compile_per_block = lambda config, dims: config.parallelism.fsdp_implementation != "simple"
     from titan_simple.train import build  # imported the name: switch it off there too

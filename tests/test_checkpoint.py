@@ -323,7 +323,8 @@ def test_reshard_fully_shard_two_ranks_to_one_four_tensor_and_pipeline_parallel(
                 trainer = make_trainer(target, *extra, steps=8)
             # Another global batch (1 x the local batch instead of 2 x): the rows differ, so the data position is
             # approximated, and said.
-            assert "data positions do not match this run (saved with 2 data-parallel ranks, running with 1" in caplog.text
+            assert ("data positions do not match this run (saved with 2 data-parallel ranks, running with 1"
+                    in caplog.text)
             assert trainer.step == 6
             assert_same_weights(full_weights(trainer), saved_weights)
             losses = trainer.train()

@@ -1,9 +1,10 @@
 """The exceptions that reach the user as a single line.
 
 Anything the user can fix raises a ``UserError``: ``ConfigError`` for the input (a config key, a path, a
-parallel degree), ``DataError`` for data one rank finds unusable while reading it, ``CheckpointError`` for a checkpoint that cannot be read or written (corrupt, truncated, a
-full disk). ``train.py`` prints ``error: <message>`` and exits with status 2, with no traceback. Everything
-else is a bug and keeps its traceback.
+parallel degree), ``DataError`` for data one rank finds unusable while reading it, ``CheckpointError`` for a
+checkpoint that cannot be read or written (corrupt, truncated, a full disk). ``train.py`` prints
+``error: <message>`` (a ConfigError on rank 0 only: it is the same on every rank) and exits with status 2, with
+no traceback. Everything else is a bug and keeps its traceback.
 """
 
 

@@ -134,7 +134,8 @@ def find_data_files(dataset_path: str, file_format: str) -> tuple[str, list[Path
     builder, files = next(iter(found.items()))
     readable = [f for f in files if _has_documents(f, builder)]
     if not readable:
-        raise ConfigError(f"[training] dataset_path {dataset_path}: every {builder} file is empty; point it at your data")
+        raise ConfigError(
+            f"[training] dataset_path {dataset_path}: every {builder} file is empty; point it at your data")
     return builder, readable
 
 
@@ -258,7 +259,8 @@ class PackedTokenDataset(torch.utils.data.IterableDataset):
 
     def __init__(
         self, documents: datasets.IterableDataset | None, tokenizer: Tokenizer, seq_len: int, infinite: bool = True,
-        documents_for_epoch: Callable[[int], datasets.IterableDataset] | None = None, name: str = "a data-parallel rank",
+        documents_for_epoch: Callable[[int], datasets.IterableDataset] | None = None,
+        name: str = "a data-parallel rank",
         files: tuple[str, list[Path]] | None = None,
     ) -> None:
         super().__init__()
@@ -390,7 +392,8 @@ def build_dataloader(
                 documents_for_epoch=stream_documents(builder, files, where, shuffle_seed, global_rows, row))
             for row in owned_rows(global_rows, dp_rank, dp_world_size)
         }
-        return StatefulDataLoader(RowStreams(streams), batch_size=local_batch_size, num_workers=num_workers,
+        return StatefulDataLoader(RowStreams(streams, global_rows), batch_size=local_batch_size,
+                                  num_workers=num_workers,
                                   drop_last=True)
     documents = load_documents(
         dataset=dataset, dataset_path=dataset_path, split=split, dp_rank=dp_rank, dp_world_size=dp_world_size

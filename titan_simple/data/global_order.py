@@ -32,7 +32,6 @@ import datasets
 import torch
 from datasets.distributed import split_dataset_by_node
 
-from titan_simple.data.tokenizer import Tokenizer
 from titan_simple.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -66,9 +65,10 @@ class RowStreams(torch.utils.data.IterableDataset):
     ``batch_size = local_batch_size`` turns them into the step's accumulation batches.
     """
 
-    def __init__(self, streams: dict[int, Any]) -> None:
+    def __init__(self, streams: dict[int, Any], total_rows: int) -> None:
         super().__init__()
         self.streams = dict(sorted(streams.items()))
+        self.total_rows = total_rows  # rows of the global batch: a saved row position means nothing under another
         self._resume = False
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

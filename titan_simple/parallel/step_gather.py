@@ -139,7 +139,8 @@ class StepGather:
                 shard_dim, n, coordinate = _dp_layout(param, spec)
                 layout = (spec.dp_mesh, shard_dim, n, coordinate)
                 if group is not None and layout[:3] != group[:3]:
-                    raise ValueError(f"step_gather: a bucket's parameters must share their data-parallel layout: {layout} vs {group}")
+                    raise ValueError("step_gather: a bucket's parameters must share their data-parallel layout: "
+                                     f"{layout} vs {group}")
                 group = layout
                 shape = _unsharded_local_shape(param, spec)
                 entry = _Entry(module, name, param, spec, shape, _chunk_rows(shape[0], n))
@@ -170,14 +171,15 @@ class StepGather:
         if self._held:
             raise RuntimeError("StepGather.gather: already holding the weights; call reduce() first")
         held: dict[int, torch.Tensor] = {}
-        for bucket, (mesh, shard_dim, n, coordinate) in zip(self.buckets, self._groups, strict=True):
+        for bucket, (mesh, shard_dim, n, _) in zip(self.buckets, self._groups, strict=True):
             owners = [e for e in bucket.entries if e.width != -1]
             dtype = owners[0].spec.mp_policy.param_dtype or owners[0].param.dtype
             locals_ = [e.param.to_local().to(dtype) for e in owners]
             if shard_dim is None:  # replicate: the local tensor is the whole weight
                 fulls = locals_
             else:
-                flat = torch.cat([F.pad(t.flatten(), (0, e.width - t.numel())) for t, e in zip(locals_, owners)])
+                flat = torch.cat([F.pad(t.flatten(), (0, e.width - t.numel()))
+                                  for t, e in zip(locals_, owners, strict=True)])
                 placements = [Replicate()] * mesh.ndim
                 sharded = list(placements)
                 sharded[shard_dim] = Shard(0)
@@ -218,7 +220,7 @@ class StepGather:
         weights."""
         if not self._held:
             raise RuntimeError("StepGather.reduce: nothing held; call gather() first")
-        for bucket, (mesh, shard_dim, n, coordinate) in zip(self.buckets, self._groups, strict=True):
+        for bucket, (mesh, shard_dim, _, coordinate) in zip(self.buckets, self._groups, strict=True):
             owners = [e for e in bucket.entries if e.width != -1 and e.param.requires_grad]
             if not owners:
                 continue

@@ -351,7 +351,8 @@ def format_report(r: dict[str, Any]) -> str:
         f"mesh {r['mesh']}, rank {r['rank']}",
         f"  local batch {r['local_batch_size']} x seq {r['seq_len']}, AC {r['activation_checkpoint']}, "
         f"{'compiled' if r['compiled'] else 'eager'}, data-parallel comm "
-        f"{'overlapped' if r['comm_overlapped'] else 'exposed'}, SimpleFSDP gathers {r['fsdp_gather'].replace('_', ' ')}",
+        f"{'overlapped' if r['comm_overlapped'] else 'exposed'}, "
+        f"SimpleFSDP gathers {r['fsdp_gather'].replace('_', ' ')}",
     ]
     if pipe:
         lines.append(f"  pipeline {pipe['schedule']}: {pipe['stages']} stages, this rank runs {pipe['local_stages']}, "

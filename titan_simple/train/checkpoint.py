@@ -14,7 +14,7 @@ The DCP state dict (nested keys are flattened by DCP: ``model.layers.0.attention
     model         the model's own parameter names; sharded DTensors are written shard by shard, no gather
     optimizer     per-parameter state with flattened names, so it reshards like the model (PP included)
     lr_scheduler  the LambdaLR state
-    dataloader    {"row_<r>": stream state} of every row of the global batch (data/global_order.py), or for
+    dataloader    {"row_<r>_of_<rows>": stream state} of every row of the global batch (data/global_order.py), or for
                   loaders without row streams {"dp_rank_<i>": loader state} of every data-parallel rank
     train_state   step, tokens_seen, and the dp size / world size it was saved with
     rng           {"rank_<r>": RNG states} of every rank
@@ -148,6 +148,11 @@ class _PendingSave:
     started: float
 
 
+def _row_key(row: int, total_rows: int) -> str:
+    """A data row's checkpoint key: row r of a global batch of ``total_rows`` (another batch, another order)."""
+    return f"row_{row}_of_{total_rows}"
+
+
 class CheckpointManager:
     """Loads at start-up and saves every ``[checkpoint] interval`` steps, for one rank.
 
@@ -262,7 +267,7 @@ class CheckpointManager:
         data_key = f"dp_rank_{self.dp_rank}"
         same_data_layout = saved["dp_size"] == self.dp_size
         rows = self._row_streams()
-        row_keys = [f"row_{r}" for r in rows.streams] if rows is not None else []
+        row_keys = [_row_key(r, rows.total_rows) for r in rows.streams] if rows is not None else []
         if "dataloader" in wanted and rows is not None:
             if all(f"dataloader.{k}" in metadata.state_dict_metadata for k in row_keys):
                 state["dataloader"] = dict.fromkeys(row_keys, b"")
@@ -284,7 +289,8 @@ class CheckpointManager:
         if "lr_scheduler" in state:
             self._load_lr_scheduler(_unpack(state["lr_scheduler"]))
         if "dataloader" in state and rows is not None:
-            rows.load_stream_states({r: _unpack(state["dataloader"][f"row_{r}"]) for r in rows.streams})
+            saved_rows = state["dataloader"]
+            rows.load_stream_states({r: _unpack(saved_rows[_row_key(r, rows.total_rows)]) for r in rows.streams})
         elif "dataloader" in state:
             self.dataloader.load_state_dict(_unpack(state["dataloader"][data_key]))
         elif "dataloader" in wanted:
@@ -390,7 +396,8 @@ class CheckpointManager:
         if not model_only:
             state["lr_scheduler"] = _pack(self.lr_scheduler.state_dict())
             rows = self._row_streams()
-            state["dataloader"] = ({f"row_{r}": _pack(s) for r, s in rows.stream_states().items()} if rows is not None
+            state["dataloader"] = ({_row_key(r, rows.total_rows): _pack(s) for r, s in rows.stream_states().items()}
+                                   if rows is not None
                                    else {f"dp_rank_{self.dp_rank}": _pack(self.dataloader.state_dict())})
             state["rng"] = {f"rank_{self.rank}": _pack(_rng_state())}
         return state

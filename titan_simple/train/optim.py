@@ -12,7 +12,6 @@ tensor (``tests/test_optim.py`` checks bitwise equality).
 from __future__ import annotations
 
 import logging
-
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
