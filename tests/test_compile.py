@@ -113,9 +113,8 @@ def _first_index(colls, kind, module_prefix):
 
 @pytest.mark.slow
 def test_bucketing_and_reordering(tmp_path):
-    # reorder on / off for each bucketing is covered on the 1-D mesh (test_bucketing_and_reordering); here the
-    # settings that bucket differently, to keep the 4-process compile time down.
-    settings = [("none", False), ("transformer_block", True), ("auto", True)]
+    settings = [("none", False), ("none", True), ("transformer_block", False), ("transformer_block", True),
+                ("auto", True)]
     results = run_on_ranks(_train_settings, world_size=2, args=(settings, str(tmp_path)))
     res = results[0]
     n_buckets = len(["tok_embeddings", *[f"layers.{i}" for i in range(N_LAYERS)], "norm+output"])
@@ -205,7 +204,7 @@ def _train_settings_dp_tp(rank: int, world_size: int, settings: list[tuple[str, 
 
 @pytest.mark.slow
 def test_bucketing_and_reordering_on_dp2_tp2_match_none():
-    """Every setting on the 2-D mesh: auto buckets only the dp all-gathers / reduce-scatters there (Inductor's
+    """The bucketing settings on the 2-D mesh: auto buckets only the dp all-gathers / reduce-scatters there (Inductor's
     bucketer fails on TP's activation collectives), transformer_block buckets each block's dp collectives."""
     # reorder on / off for each bucketing is covered on the 1-D mesh (test_bucketing_and_reordering); here the
     # settings that bucket differently, to keep the 4-process compile time down.
