@@ -51,18 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def exit_now(code: int) -> None:
-    """Leave without the interpreter's teardown when several processes ran. The process group is already
-    destroyed, but gloo's C++ threads can still own tensors whose release needs the GIL while the
-    interpreter is being torn down, which aborts the process (SIGABRT, "terminate called without an active
-    exception") now and then, after a run that finished fine (pytorch/pytorch#179291)."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        os._exit(code)
-    sys.exit(code)
-
-
 if __name__ == "__main__":
-    exit_now(main())
+    from titan_simple.train.distributed import exit_process
+
+    exit_process(main())

@@ -749,6 +749,9 @@ def main() -> None:
     argv = sys.argv[1:]
     if argv and argv[0] == "--worker":
         worker_main(argv[1:])
+        from titan_simple.train.distributed import exit_process
+
+        exit_process(0)  # no interpreter teardown after gloo (see exit_process)
     else:
         driver_main(argv)
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +50,19 @@ def init_process_group(info: DistInfo, timeout_seconds: int = 600) -> None:
             timeout=datetime.timedelta(seconds=timeout_seconds),
             device_id=info.device if info.device.type == "cuda" else None,
         )
+
+
+def exit_process(code: int) -> None:
+    """Leave without the interpreter's teardown when several processes ran (after ``shutdown_distributed``).
+    The process group is destroyed by then, but gloo's C++ threads can still own tensors whose release needs
+    the GIL while the interpreter is torn down, which now and then aborts a process that finished fine (SIGABRT,
+    "terminate called without an active exception"; pytorch/pytorch#179291; seen in CI)."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        os._exit(code)
+    sys.exit(code)
 
 
 def shutdown_distributed(clean: bool = True) -> None:
