@@ -163,6 +163,10 @@ def test_your_own_folder_is_read(tmp_path):
                                             for i in range(40)))
     assert train_in_process(tmp_path / "dump", "--training.dataset_path", str(folder), "--training.steps", "2",
                             "--training.local_batch_size", "2") == 0
+    mine = losses(tmp_path / "dump")
+    builtin = tmp_path / "builtin"
+    assert train_in_process(builtin, "--training.steps", "2", "--training.local_batch_size", "2") == 0
+    assert sorted(mine) == [1, 2] and mine != losses(builtin)  # trained 2 steps, on other data than the corpus
 
 
 def test_a_folder_of_empty_parquet_files_is_one_line(tmp_path, capsys):

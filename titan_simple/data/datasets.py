@@ -204,10 +204,7 @@ def resolve_files(dataset: str, dataset_path: str | None, split: str) -> tuple[s
 def open_documents(builder: str, files: list[Path], where: str) -> datasets.IterableDataset:
     """The documents of ``files`` in that order, streamed, as one ``text`` column. Local ``.txt`` files are read
     whole: one file is one document (BOS ... EOS), not one line; for one document per line use ``.jsonl``."""
-    builder_options: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
-    documents = datasets.load_dataset(
-        builder, data_files=[str(f) for f in files], split="train", streaming=True, **builder_options
-    )
+    documents = _stream(builder, files)
     try:
         return _require_text_column(documents, where)
     except UserError:
@@ -216,14 +213,18 @@ def open_documents(builder: str, files: list[Path], where: str) -> datasets.Iter
         raise ConfigError(unreadable_message(builder, files[:1], error)) from None
 
 
+def _stream(builder: str, files: list[Path]) -> datasets.IterableDataset:
+    options: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
+    return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True, **options)
+
+
 def unreadable_message(builder: str, files: list[Path], error: Exception) -> str:
     """One line naming the first of ``files`` that fails to parse (each is read alone to find it; only on this
     error path), with the reader's message."""
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
     for path in files:
-        options: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
         try:
-            for _ in datasets.load_dataset(builder, data_files=[str(path)], split="train", streaming=True, **options):
+            for _ in _stream(builder, [path]):
                 pass
         except Exception as file_error:  # noqa: BLE001
             detail = str(file_error).strip().splitlines()[0] if str(file_error).strip() else reason
