@@ -345,9 +345,8 @@ def worker_main(argv: list[str]) -> None:
     measured = list(range(args.warmup, steps - (1 if probe.count_last else 0)))
     training = config.training
     # This rank's share of the global batch: tensor- and pipeline-parallel ranks share their dp rank's tokens.
-    parallelism = config.parallelism
-    local_tokens = (training.local_batch_size * training.seq_len
-                    // (parallelism.tensor_parallel_degree * parallelism.pipeline_parallel_degree))
+    dims = trainer.plan.dims
+    local_tokens = training.local_batch_size * training.seq_len // (dims.tp * dims.pp)
     mine = {
         "rank": rank,
         "build_s": build_s,

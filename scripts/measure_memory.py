@@ -55,10 +55,11 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from titan_simple.config import load_job_config  # noqa: E402
 from titan_simple.models.llama3 import build_model  # noqa: E402
-from titan_simple.parallel.dims import ParallelDims, dp_rank_and_size  # noqa: E402
+from titan_simple.parallel.dims import dp_rank_and_size  # noqa: E402
 from titan_simple.planning.measuring import LiveStorageBytes  # noqa: E402
 from titan_simple.train.build import build_model_parts  # noqa: E402
 from titan_simple.train.optim import optimizer_from_config  # noqa: E402
+from titan_simple.train.plan import resolve_plan  # noqa: E402
 from titan_simple.train.step import StepHooks, build_train_step  # noqa: E402
 
 DOC = PROJECT_DIR / "docs" / "simple_fsdp_memory.md"
@@ -219,16 +220,17 @@ class _StepProbes(StepHooks):
 def measure_case(rank: int, world_size: int, args, overrides: tuple[str, ...], dump_folder: str) -> dict:
     global _ACTIVE_TRACKER
     config = _config(args, overrides, dump_folder)
-    compiled = config.compile.enable
-    dims = ParallelDims.from_config(config, world_size)
+    plan = resolve_plan(config, world_size, DEVICE.type)  # the trainer's plan, build and step
+    compiled = plan.compile.enabled
+    dims = plan.dims
     mesh = dims.build_mesh(DEVICE.type)
     if compiled:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-    parts = build_model_parts(config, dims, mesh, DEVICE)  # the trainer's build
+    parts = build_model_parts(plan, mesh, DEVICE)
     model = parts.model
     optimizer = optimizer_from_config(config, model)
-    train_step = build_train_step(parts, dims, optimizer, max_norm=config.training.max_norm)  # the trainer's step
+    train_step = build_train_step(parts, plan, optimizer)
     dp_rank, dp_size = dp_rank_and_size(mesh, dims)
     training = config.training
     generator = torch.Generator().manual_seed(0)

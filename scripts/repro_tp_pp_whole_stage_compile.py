@@ -1,5 +1,5 @@
 """Reproduce torch 2.13's failure to compile whole pipeline stages with tensor parallel inside when a pp rank
-runs two stages (Interleaved1F1B), the reason ``parallelize.compile_per_block`` compiles such stages block by
+runs two stages (Interleaved1F1B), the reason ``train/plan.choose_compile_mode`` compiles such stages block by
 block (docs/parallelism.md).
 
     python scripts/repro_tp_pp_whole_stage_compile.py                       # Interleaved1F1B: fails
@@ -25,11 +25,10 @@ import torch  # noqa: E402
 
 def one_step(rank: int, world_size: int, schedule: str, loss_parallel: bool) -> str:
     from tests.parity import Recipe, build_layout
-    from titan_simple.parallel import parallelize
+    from titan_simple.train import plan
 
-    parallelize.compile_per_block = lambda config, dims: config.parallelism.fsdp_implementation != "simple"
-    from titan_simple.train import build  # imported the name: switch it off there too
-    build.compile_per_block = parallelize.compile_per_block
+    # The plan's rule compiles such stages block by block; take it out: every stage compiles whole.
+    plan.choose_compile_mode = lambda config, dims, reasons=None: "whole"
     recipe = Recipe(global_batch=8)
     overrides = ["--parallelism.tensor_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2",
                  f"--parallelism.pipeline_parallel_schedule={schedule}", "--training.local_batch_size=8",

@@ -5,12 +5,12 @@
     result = train_steps(run, recipe)                   # {"losses": [...], "norms": [...], ...}
     assert_parity(results, "fully_shard/eager", reference, rtol=5e-7, norm_rtol=2e-4)
 
-``build_layout`` is ``train.build.build_model_parts`` plus the optimizer and ``train.step.build_train_step``:
-exactly what ``Trainer`` builds, so a parity test checks the code that trains, not a copy of it. Each step
-feeds one fixed global batch of random tokens (a different one per step, from ``Recipe.batch_seed``), of which
-each data-parallel rank takes its rows along the batch dim; tensor- and pipeline-parallel ranks of one dp
-group take the same rows. The reported loss is the global mean (summed over the dp group, divided by the
-global token count): the same number on every rank.
+``build_layout`` is ``train.plan.resolve_plan``, ``train.build.build_model_parts``, the optimizer and
+``train.step.build_train_step``: exactly what ``Trainer`` builds (autocast and loss included), so a parity
+test checks the code that trains, not a copy of it. Each step feeds one fixed global batch of random tokens (a
+different one per step, from ``Recipe.batch_seed``), of which each data-parallel rank takes its rows along the
+batch dim; tensor- and pipeline-parallel ranks of one dp group take the same rows. The reported loss is the
+global mean (summed over the dp group, divided by the global token count): the same number on every rank.
 """
 
 from __future__ import annotations
@@ -27,9 +27,16 @@ from titan_simple.config import JobConfig, load_job_config
 from titan_simple.parallel.dims import ParallelDims, dp_rank_and_size
 from titan_simple.train.build import ModelParts, build_model_parts
 from titan_simple.train.optim import optimizer_from_config
+from titan_simple.train.plan import RunPlan, resolve_plan
 from titan_simple.train.step import StepHooks, TrainStep, build_train_step
 
 DEVICE = torch.device("cpu")
+
+# Tolerances of parity with the single-process reference in fp32 on CPU, relative, per step (the measured
+# differences are float reduction order: ~1e-7 eager, a few 1e-6 when Inductor reorders the arithmetic).
+EAGER_RTOL = 1e-6
+COMPILED_RTOL = 1e-5
+SHARDED_NORM_RTOL = 1e-4  # gradient norms summed from dp / tp / pp shards (torch's fp32 norm kernels)
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,7 @@ class Layout:
     """One built layout on this rank: what ``Trainer`` would build for ``config``."""
 
     config: JobConfig
+    plan: RunPlan
     dims: ParallelDims
     mesh: DeviceMesh | None
     parts: ModelParts
@@ -84,18 +92,19 @@ _MESHES: dict[tuple, DeviceMesh | None] = {}
 
 def build_layout(config: JobConfig, world_size: int = 1) -> Layout:
     """Mesh, model parts, AdamW and the training step, built by the trainer's functions (no LR schedule)."""
-    dims = ParallelDims.from_config(config, world_size)
+    plan = resolve_plan(config, world_size, DEVICE.type)
+    dims = plan.dims
     # One world mesh per layout and process, as in the trainer: DTensor may hand a parameter an equal mesh
     # object from an earlier, equal world mesh, and SimpleFSDP composes only slices of one identical root.
     key = tuple(dims.enabled_dims.items())
     if key not in _MESHES:
         _MESHES[key] = dims.build_mesh(DEVICE.type)
     mesh = _MESHES[key]
-    parts = build_model_parts(config, dims, mesh, DEVICE)
+    parts = build_model_parts(plan, mesh, DEVICE)
     optimizer = optimizer_from_config(config, parts.as_module())
-    step = build_train_step(parts, dims, optimizer, max_norm=config.training.max_norm)
+    step = build_train_step(parts, plan, optimizer)
     dp_rank, dp_size = dp_rank_and_size(mesh, dims)
-    return Layout(config, dims, mesh, parts, optimizer, step, dp_rank, dp_size)
+    return Layout(config, plan, dims, mesh, parts, optimizer, step, dp_rank, dp_size)
 
 
 def dp_group(layout: Layout) -> dist.ProcessGroup | None:
@@ -141,7 +150,7 @@ def train_steps(layout: Layout, recipe: Recipe, steps: int | None = None, keep_g
     ``after_first_backward(out)`` may add its own observations to the result. Compiled layouts also report
     Dynamo's graph breaks and unique graphs."""
     out: dict = {"losses": [], "norms": []}
-    compiled = layout.config.compile.enable
+    compiled = layout.plan.compile.enabled
     if compiled:  # compilation happens at the first step: count what this layout compiles
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from tests.distributed_utils import run_on_ranks_retrying_aborts
 from tests.inductor_code import overlap_in_generated_code
+from tests.parity import COMPILED_RTOL
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, Transformer
 from titan_simple.parallel import compile as compile_mod
 from titan_simple.parallel.compile import compile_model, transformer_block_plan
@@ -33,7 +34,6 @@ LOCAL_BATCH = 2
 STEPS = 10
 # Measured: bucketing and reordering change no arithmetic, only which ops run where; the losses agree to
 # ~1e-7 relative (differences come from Inductor fusing differently around the moved collectives).
-LOSS_RTOL = 1e-5
 
 
 def _args():
@@ -166,7 +166,7 @@ def test_bucketing_and_reordering(tmp_path):
         got = torch.tensor(r["losses"], dtype=torch.float64)
         rel = ((got - ref).abs() / ref.abs()).max().item()
         print(f"{key}: max relative loss difference vs none = {rel:.2e}")
-        assert rel <= LOSS_RTOL, (key, rel, r["losses"], res["none"]["losses"])
+        assert rel <= COMPILED_RTOL, (key, rel, r["losses"], res["none"]["losses"])
 
     # The comm plan files (rank 0 writes them).
     plan = json.loads((tmp_path / "transformer_block+reorder" / "comm_plan.json").read_text())
@@ -216,7 +216,7 @@ def test_bucketing_and_reordering_on_dp2_tp2_match_none():
         rel = ((torch.tensor(r["losses"], dtype=torch.float64) - ref).abs() / ref.abs()).max().item()
         print(f"dp2 x tp2 {key}: {r['dp_collectives']} dp collectives per step, "
               f"max relative loss difference vs none = {rel:.2e}")
-        assert rel <= LOSS_RTOL, (key, rel, r["losses"], res["none"]["losses"])
+        assert rel <= COMPILED_RTOL, (key, rel, r["losses"], res["none"]["losses"])
     # The bucketing really happened on the dp dimension.
     counts = {k: r["dp_collectives"] for k, r in res.items()}
     for key in ("transformer_block+reorder", "auto+reorder"):
@@ -227,21 +227,19 @@ def test_bucketing_on_a_per_block_compiled_layout_warns(caplog):
     """FSDP2 (and TP inside a pipeline stage, and zero-bubble schedules) compile block by block: there is no
     whole-step graph, so [compile] bucketing / reorder cannot apply; the user is told rather than ignored."""
     from titan_simple.config import load_job_config
-    from titan_simple.parallel.dims import ParallelDims
-    from titan_simple.parallel.parallelize import parallelize_llama
+    from titan_simple.train.plan import resolve_plan
 
-    def build(*overrides: str) -> None:
+    def plan(*overrides: str) -> str:
         config = load_job_config(["--config", "llama3_debug.toml", "--compile.enable", *overrides])
-        dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, world_size=1)
-        with torch.device("meta"):
-            model = Transformer(_args())
-        parallelize_llama(model, dims, None, config, torch.device("cpu"))
+        return resolve_plan(config, 1, "cpu").compile.mode
 
-    with caplog.at_level("WARNING", logger="titan_simple.parallel.parallelize"):
-        build("--parallelism.fsdp_implementation=fsdp2", "--compile.bucketing=auto")
+    with caplog.at_level("WARNING", logger="titan_simple.train.plan"):
+        assert plan("--parallelism.fsdp_implementation=fsdp2", "--compile.bucketing=auto") == "per_block"
     assert "bucketing = 'auto', reorder = True ignored" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="titan_simple.parallel.parallelize"):
-        build("--parallelism.fsdp_implementation=fsdp2")  # the defaults (transformer_block + reorder): no noise
-        build("--compile.bucketing=transformer_block", "--compile.reorder")  # SimpleFSDP: whole model, applies
+    with caplog.at_level("WARNING", logger="titan_simple.train.plan"):
+        # the defaults (transformer_block + reorder): no noise
+        assert plan("--parallelism.fsdp_implementation=fsdp2") == "per_block"
+        # SimpleFSDP: the model and its loss as one graph, where bucketing applies
+        assert plan("--compile.bucketing=transformer_block", "--compile.reorder") == "whole_with_loss"
     assert "ignored" not in caplog.text

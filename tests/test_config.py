@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from titan_simple.config import help_text, load_job_config
 from titan_simple.errors import ConfigError
 from titan_simple.models.llama3 import LLAMA3_FLAVORS
-from titan_simple.parallel.dims import ParallelDims, validate_parallelism
-from titan_simple.parallel.pipeline import plan_pipeline
+from titan_simple.parallel.dims import ParallelDims
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -101,17 +101,18 @@ def test_shipped_configs_load(name):
 def test_shipped_layouts_fit_their_world_size(name, world_size, expected):
     """The cluster configs validate for their intended world size (degrees, head/vocab/seq_len divisibility,
     the pipeline split), all without building the model or a process group."""
+    from titan_simple.train.plan import resolve_plan
+
     config = load_job_config(["--config", name])
-    p = config.parallelism
-    dims = ParallelDims(p.data_parallel_replicate_degree, p.data_parallel_shard_degree,
-                        p.tensor_parallel_degree, p.pipeline_parallel_degree, world_size)
+    run = resolve_plan(config, world_size, "cuda")
+    dims = run.dims
     assert (dims.dp_replicate, dims.dp_shard, dims.tp, dims.pp) == expected
-    model_args = LLAMA3_FLAVORS[config.model.flavor]
-    validate_parallelism(dims, model_args, config)
+    n_layers = LLAMA3_FLAVORS[config.model.flavor].n_layers
     if dims.pp > 1:
-        plan = plan_pipeline(config, model_args.n_layers, dims.pp)
-        layers = [i for stage in plan.stage_layers for i in stage]
-        assert layers == list(range(model_args.n_layers))  # every layer once, in order
+        layers = [i for stage in run.pipeline.stage_layers for i in stage]
+        assert layers == list(range(n_layers))  # every layer once, in order
+    assert run.precision.param_dtype == torch.bfloat16 and run.precision.autocast_dtype is None
+    assert 4 <= len(run.describe()) <= 8
 
 
 def test_degrees_that_do_not_multiply_to_world_size():
@@ -150,16 +151,23 @@ def test_train_py_reports_one_line_and_exit_code_2():
 def test_auto_precision_is_bf16_on_gpus_and_on_cpus_with_native_bf16(tmp_path, monkeypatch, flags, native, cpu_dtype):
     import torch
 
-    from titan_simple.parallel import parallelize
+    from titan_simple.parallel.dims import ParallelDims
+    from titan_simple.train import plan
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
-    assert parallelize.cpu_has_native_bf16(str(cpuinfo)) is native
-    assert parallelize.cpu_has_native_bf16(str(tmp_path / "missing")) is False  # no /proc: fp32, safe
-    monkeypatch.setattr(parallelize, "cpu_has_native_bf16", lambda: native)
+    assert plan.cpu_has_native_bf16(str(cpuinfo)) is native
+    assert plan.cpu_has_native_bf16(str(tmp_path / "missing")) is False  # no /proc: fp32, safe
+    monkeypatch.setattr(plan, "cpu_has_native_bf16", lambda: native)
     config = load_job_config([])
     assert config.training.mixed_precision_param == "auto"
-    assert parallelize.param_dtype_for(config, torch.device("cpu")) == getattr(torch, cpu_dtype)
-    assert parallelize.param_dtype_for(config, torch.device("cuda")) == torch.bfloat16  # GPUs: always bf16
+    dp2, single = ParallelDims(1, 2, 1, 1, 2), ParallelDims(1, 1, 1, 1, 1)
+    cpu = plan.choose_precision(config, dp2, "cpu")
+    assert cpu.param_dtype == getattr(torch, cpu_dtype)
+    assert cpu.autocast_dtype is None  # data parallel casts the weights
+    assert plan.choose_precision(config, dp2, "cuda").param_dtype == torch.bfloat16  # GPUs: always bf16
+    # Without data parallel nothing casts the weights: a bf16 forward runs under autocast.
+    assert plan.choose_precision(config, single, "cuda").autocast_dtype == torch.bfloat16
+    assert plan.choose_precision(config, single, "cpu").autocast_dtype == (torch.bfloat16 if native else None)
     pinned = load_job_config(["--training.mixed_precision_param", "float32"])
-    assert parallelize.param_dtype_for(pinned, torch.device("cpu")) == torch.float32
+    assert plan.choose_precision(pinned, dp2, "cpu").param_dtype == torch.float32

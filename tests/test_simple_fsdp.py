@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from tests.distributed_utils import run_on_ranks
+from tests.parity import COMPILED_RTOL, EAGER_RTOL
 from titan_simple.parallel.activation_checkpoint import (
     apply_checkpoint,
     compose_policies,
@@ -43,8 +44,6 @@ from titan_simple.parallel.simple_fsdp import (
 STEPS = 10
 LR = 1e-2
 MAX_NORM = 0.4  # below every step's gradient norm (0.7 to 1.0): clipping scales the gradients each step
-EAGER_RTOL = 1e-6
-COMPILED_RTOL = 1e-5
 BF16_RTOL = 5e-3
 
 # ---------------------------------------------------------------------------------------------- toy model

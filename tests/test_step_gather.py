@@ -16,15 +16,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.distributed_utils import run_on_ranks
-from tests.parity import Recipe, build_layout, max_rel_diff, train_reference
+from tests.parity import COMPILED_RTOL, EAGER_RTOL, Recipe, build_layout, max_rel_diff, train_reference
 from titan_simple.config import load_job_config
 from titan_simple.errors import ConfigError
 from titan_simple.parallel.dims import ParallelDims
-from titan_simple.parallel.parallelize import gather_mode
 from titan_simple.parallel.simple_fsdp import MixedPrecisionPolicy, data_parallel
 from titan_simple.parallel.step_gather import StepGather, _chunk_rows
+from titan_simple.train.plan import choose_gather_mode
 
-EAGER_RTOL, COMPILED_RTOL = 1e-6, 1e-5
 STEPS = 10
 ACCUMULATION = Recipe(global_batch=8, steps=STEPS)  # 2 dp ranks x 4 accumulation steps of 1 sequence
 PIPELINE = Recipe(global_batch=16, steps=STEPS)  # 2 dp ranks x 8 pipeline microbatches of 1 sequence
@@ -157,7 +156,7 @@ def test_chunk_rows_is_dtensors_split():
 ])
 def test_auto_gather_mode(overrides, expected):
     config = load_job_config(["--config", "llama3_debug.toml", *overrides])
-    assert gather_mode(config, ParallelDims.from_config(config, 4)) == expected
+    assert choose_gather_mode(config, ParallelDims.from_config(config, 4)) == expected
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -168,7 +167,7 @@ def test_auto_gather_mode(overrides, expected):
 def test_once_per_step_where_it_cannot_work_is_a_config_error(overrides, message):
     config = load_job_config(["--config", "llama3_debug.toml", "--parallelism.fsdp_gather=once_per_step", *overrides])
     with pytest.raises(ConfigError, match=message):
-        gather_mode(config, ParallelDims.from_config(config, 4))
+        choose_gather_mode(config, ParallelDims.from_config(config, 4))
 
 
 class _Uneven(nn.Module):

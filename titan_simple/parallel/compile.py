@@ -35,6 +35,7 @@ import contextlib
 import logging
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -136,6 +137,39 @@ def known_problem(bucketing: str, reorder: bool, cpu: bool) -> str | None:
                 "(heap corruption in one rank, 4 of 17 benchmark runs); use bucketing = 'transformer_block' or "
                 "'auto'.")
     return None
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    """What ``[compile]`` means for this run (decided by ``train/plan.py``).
+
+    ``mode``: ``off``; ``whole`` (the model, or each pipeline stage, is one graph, collectives included);
+    ``whole_with_loss`` (the training step compiles the model and its loss as one graph, ``train/loss.py``);
+    ``per_block`` (each transformer block on its own: FSDP2, TP inside multi-stage pipelines, zero-bubble
+    schedules; no whole-step graph to bucket or reorder)."""
+
+    mode: str = "off"
+    backend: str = "inductor"
+    bucketing: str = "transformer_block"
+    manual_plan: tuple[str | tuple[str, ...], ...] = ()
+    reorder: bool = True
+    dump_folder: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    @property
+    def whole_graph(self) -> bool:
+        """One graph for the model or stage (with or without the loss): Inductor sees the collectives."""
+        return self.mode in ("whole", "whole_with_loss")
+
+    def compile_whole(self, module: nn.Module, plan_root: str = "") -> CommPlanRecorder | None:
+        """Compile ``module`` in place as one graph with this plan's bucketing and reordering; ``plan_root``
+        names the submodule holding the transformer blocks when ``module`` wraps the model."""
+        return compile_model(module, backend=self.backend, bucketing=self.bucketing,
+                             manual_plan=self.manual_plan or None, reorder=self.reorder,
+                             dump_folder=self.dump_folder, plan_root=plan_root)
 
 
 def compile_model(

@@ -1,8 +1,7 @@
 """Pipeline parallel: split the model into stages by layers, place them on the pp ranks, run a schedule.
 
-    plan = plan_pipeline(config, n_layers, pp)            # pure: checks the config, no communication
-    run = build_pipeline(model, dims, mesh, config, device, plan)
-    run.loss_fn = loss_fn                                 # set by train/step.py: the training loss
+    plan = plan_pipeline(config, n_layers, pp)            # pure: checks the config (called by train/plan.py)
+    run = build_pipeline(model, mesh, plan, parallel_plan, device, seed=0, loss_fn=loss_fn)
     loss_sum = run.step(inputs, labels, loss_scale)       # forward + backward of one local batch
 
 **Stages.** A stage is a deep copy of the (meta) model in which the layers it does not own are deleted and
@@ -21,10 +20,11 @@ activation checkpointing -> SimpleFSDP / FSDP2 on the dp mesh -> compile), then 
 A stage compiles whole (its collectives in one graph), except under the zero-bubble schedules
 (InterleavedZeroBubble, ZBVZeroBubble): they split each backward into an input part and a weight part by
 walking the autograd graph, and through a whole compiled stage that gave wrong weight gradients (some 0; torch
-2.13 refuses only a stage that is an ``OptimizedModule``, not one compiled in place). There each block compiles
-on its own (``parallelize.compile_per_block``): a compiled block is one autograd node, so its backward runs in
-the input phase and again in the weight phase (correct; the weight gradients are computed twice), and it must
-be compiled without donated buffers, which forbid a second backward.
+2.13 refuses only a stage that is an ``OptimizedModule``, not one compiled in place). There each block
+compiles on its own (``CompilePlan.mode = "per_block"``, decided in ``train/plan.py``): a compiled block is
+one autograd node, so its backward runs in the input phase and again in the weight phase (correct; the weight
+gradients are computed twice), and it must be compiled without donated buffers, which forbid a second
+backward.
 
 **Init.** Each stage runs the model's own ``init_weights`` (the absent modules are skipped) under
 ``layout_invariant_init(stage, seed)``, which seeds every parameter's draws from ``(seed, parameter name)``:
@@ -32,8 +32,8 @@ a stage gets exactly the values the whole model gets, whichever modules come bef
 
 **Loss.** The schedule splits the local batch into ``local_batch_size / microbatch_size`` microbatches along
 dim 0, calls the loss function per microbatch on the last stage and backpropagates each; the gradients add
-up. The loss function is the training step's (``train/step.py`` sets ``loss_fn``): ``summed cross-entropy x
-loss_scale`` with ``loss_scale = 1 / global tokens`` (the
+up. The loss function is the training loss (``train/loss.py``), given to ``build_pipeline``: ``summed
+cross-entropy x loss_scale`` with ``loss_scale = 1 / global tokens`` (the
 trainer's scaling), and the schedule's own 1/n_microbatches scaling is off (``scale_grads=False``): the sum over
 microbatches and dp ranks is then exactly the single-process gradient.
 """
@@ -55,14 +55,18 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from titan_simple.config import JobConfig
 from titan_simple.errors import ConfigError
-from titan_simple.parallel.dims import ParallelDims
-from titan_simple.parallel.parallelize import ZERO_BUBBLE_SCHEDULES, parallelize_llama
+from titan_simple.parallel.parallelize import ParallelPlan, parallelize_llama
 from titan_simple.parallel.sharded_init import materialize_and_init
 from titan_simple.parallel.torch_private import no_donated_buffers
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
+# Schedules that run one stage per pp rank (the others run several).
 SINGLE_STAGE_SCHEDULES = frozenset({"GPipe", "1F1B"})
+# Schedules that split each backward into input and weight gradients by walking the autograd graph.
+ZERO_BUBBLE_SCHEDULES = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble"})
 V_SCHEDULES = frozenset({"ZBVZeroBubble"})
+# (output, labels, loss_scale) -> the scaled loss of one microbatch (train/loss.py).
+LossFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 # ---------------------------------------------------------------------------------------------- plan
@@ -217,15 +221,14 @@ class PipelineRun:
     """
 
     def __init__(self, plan: PipelinePlan, model_parts: list[nn.Module], stages: list[PipelineStage],
-                 pp_group: dist.ProcessGroup):
+                 pp_group: dist.ProcessGroup, loss_fn: LossFn):
         self.plan = plan
         self.model_parts = model_parts
         self.stages = stages
         self.pp_group = pp_group
         self.has_first_stage = any(stage.is_first for stage in stages)
         self.has_last_stage = any(stage.is_last for stage in stages)
-        # (output, labels, loss_scale) -> the scaled loss of one microbatch; the training step sets it.
-        self.loss_fn: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
+        self.loss_fn = loss_fn
         self._loss_scale = 1.0
         schedule_class = get_schedule_class(plan.schedule)
         # scale_grads=False: the loss is already divided by the global token count, the sum is the gradient.
@@ -245,8 +248,6 @@ class PipelineRun:
         return contextlib.nullcontext()
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        if self.loss_fn is None:
-            raise RuntimeError("PipelineRun: no loss_fn; build the training step (train/step.py) first.")
         return self.loss_fn(logits, labels, self._loss_scale)
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float) -> torch.Tensor | None:
@@ -292,27 +293,29 @@ class PipelineRun:
 
 def build_pipeline(
     model: nn.Module,
-    dims: ParallelDims,
     mesh: DeviceMesh,
-    config: JobConfig,
-    device: torch.device,
     plan: PipelinePlan,
+    parallel: ParallelPlan,
+    device: torch.device,
     *,
+    seed: int,
+    loss_fn: LossFn,
     materialize: bool = True,
 ) -> PipelineRun:
-    """Split the meta ``model`` into this rank's stages, parallelize, materialize and initialize each, and
-    wrap them in the planned schedule. Every rank of the world calls it."""
+    """Split the meta ``model`` into this rank's stages, parallelize (``parallel``), materialize and initialize
+    (``seed``) each, and wrap them in the planned schedule, which calls ``loss_fn(output, labels, loss_scale)``
+    per microbatch on the last stage. Every rank of the world calls it."""
     pp_mesh = mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
     parts, stages = [], []
     for stage_index in plan.stages_of_rank(pp_rank):
         part = split_stage(model, plan, stage_index)
-        part = parallelize_llama(part, dims, mesh, config, device)
+        part = parallelize_llama(part, mesh, parallel)
         if materialize:
-            materialize_and_init(part, device, config.training.seed)
+            materialize_and_init(part, device, seed)
         parts.append(part)
         # get_mesh: the stage's first step infers the shapes of what it sends and receives; DTensor
         # activations (tensor parallel) name their mesh, which the receiving stage looks up in ours.
         stages.append(PipelineStage(part, stage_index, plan.num_stages, device, group=pp_mesh.get_group(),
                                     get_mesh=lambda names, _layout: mesh[names]))
-    return PipelineRun(plan, parts, stages, pp_mesh.get_group())
+    return PipelineRun(plan, parts, stages, pp_mesh.get_group(), loss_fn)

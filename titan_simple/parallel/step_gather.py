@@ -27,7 +27,7 @@ DTensor calls on plain tensors, so the traffic is counted and traced like Simple
 Memory: per rank, the unsharded weights of its model part (``param_dtype``) and their gradients (``reduce_dtype``)
 live from ``gather`` to ``reduce``. Under pipeline parallel that is a stage (1/pp of the model, 1/tp of it
 under tensor parallel); without pipeline parallel the whole model, which is what FSDP exists to avoid, hence
-``[parallelism] fsdp_gather = "auto"`` chooses it only under pipeline parallel (``choose_gather_mode``).
+``[parallelism] fsdp_gather = "auto"`` chooses it only under pipeline parallel (``train/plan.py``).
 """
 
 from __future__ import annotations
@@ -43,17 +43,6 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from titan_simple.parallel.simple_fsdp import _GatherSpec, default_reshard_modules
 from titan_simple.parallel.torch_private import StridedShard
-
-GATHER_MODES = ("auto", "per_microbatch", "once_per_step")
-
-
-def choose_gather_mode(choice: str, *, pipeline: bool, sharded: bool) -> str:
-    """``auto``: once per step under pipeline parallel with sharded weights (a stage's weights are a fraction of
-    the model; the 405B dry run: 4,624 all-gathers per step -> 34, fits in 80 GiB); per microbatch otherwise,
-    where holding the unsharded model would give up what sharding saves."""
-    if choice != "auto":
-        return choice
-    return "once_per_step" if pipeline and sharded else "per_microbatch"
 
 
 @dataclass

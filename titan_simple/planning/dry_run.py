@@ -19,7 +19,6 @@ import json
 import os
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from titan_simple.config import JobConfig
@@ -29,7 +28,7 @@ from titan_simple.planning.fake_pg import init_fake_process_group
 from titan_simple.planning.hardware import DeviceSpec, device_spec
 from titan_simple.planning.rank_trace import trace_rank
 from titan_simple.planning.report import build_report, format_report, group_names
-from titan_simple.train.build import check_layout, pipeline_plan
+from titan_simple.train.plan import resolve_plan
 
 _RAN = False
 
@@ -46,26 +45,25 @@ def run_dry_run(config: JobConfig, write: bool = True, spec: DeviceSpec | None =
     _RAN = True
     dry_run = config.dry_run
     try:
-        dims = ParallelDims.from_config(config, dry_run.world_size)
+        ParallelDims.from_config(config, dry_run.world_size)
     except ConfigError as error:
         raise ConfigError(f"[dry_run] world_size = {dry_run.world_size} does not match the degrees: {error}") from None
-    check_layout(config, dims)  # the trainer's checks: flavor, degrees against the model, pipeline, batch
+    # The trainer's plan and checks, for the device planned for (it decides the "auto" dtypes).
+    run = resolve_plan(config, dry_run.world_size, "cpu" if dry_run.device == "cpu" else "cuda")
     if not 0 <= dry_run.rank < dry_run.world_size:
         raise ConfigError(f"[dry_run] rank = {dry_run.rank} is not a rank of world_size = {dry_run.world_size}; "
                           f"use 0 .. {dry_run.world_size - 1}.")
-    plan = pipeline_plan(config, dims)
     if spec is None:
         measured = dry_run.device == "cpu" and dry_run.collective_bandwidth
         extra = {"collective_bandwidth": dry_run.collective_bandwidth} if measured else {}
         spec = device_spec(dry_run.device, dry_run.world_size, **extra)
-    target = torch.device("cpu") if dry_run.device == "cpu" else torch.device("cuda")  # decides "auto" dtypes only
 
     init_fake_process_group(dry_run.rank, dry_run.world_size)
     try:
-        mesh = dims.build_mesh("cpu")
-        pp_rank = mesh["pp"].get_local_rank() if plan is not None else 0
-        trace = trace_rank(config, dims, mesh, plan, pp_rank, target)
-        report = build_report(config, dims, plan, pp_rank, dry_run.rank, trace, spec, group_names(mesh, dims))
+        mesh = run.dims.build_mesh("cpu")
+        pp_rank = mesh["pp"].get_local_rank() if run.pipeline is not None else 0
+        trace = trace_rank(run, mesh)
+        report = build_report(run, pp_rank, dry_run.rank, trace, spec, group_names(mesh, run.dims))
     finally:
         dist.destroy_process_group()
     text = format_report(report)

@@ -21,11 +21,11 @@ import torch.distributed as dist
 import torch.distributed.tensor  # noqa: F401 -- registers the _c10d_functional ops activation_checkpoint names
 
 from titan_simple.config import load_job_config
-from titan_simple.parallel.dims import ParallelDims
 from titan_simple.planning import measuring
 from titan_simple.planning.trace import StepTracer, ignoring_shape_propagation
 from titan_simple.train.build import build_model_parts
 from titan_simple.train.optim import optimizer_from_config
+from titan_simple.train.plan import resolve_plan
 from titan_simple.train.step import StepHooks, build_train_step
 
 
@@ -66,14 +66,14 @@ def measure_worker(rank: int, world_size: int, argv: list[str], out_path: str, s
 def _measure(rank: int, world_size: int, argv: list[str], steps: int) -> dict[str, Any]:
     config = load_job_config(argv)
     training = config.training
-    dims = ParallelDims.from_config(config, world_size)
-    rates = measure_rates(world_size)
-    mesh = dims.build_mesh("cpu")
     device = torch.device("cpu")
-    parts = build_model_parts(config, dims, mesh, device)  # the trainer's build
+    plan = resolve_plan(config, world_size, device.type)  # the trainer's plan, build and step
+    rates = measure_rates(world_size)
+    mesh = plan.dims.build_mesh(device.type)
+    parts = build_model_parts(plan, mesh, device)
     optimizer = optimizer_from_config(config, parts.as_module())
-    # The trainer's step; gradients stay allocated between steps (the steady state the dry run assumes).
-    train_step = build_train_step(parts, dims, optimizer, max_norm=1.0)
+    # Gradients stay allocated between steps (the steady state the dry run assumes).
+    train_step = build_train_step(parts, plan, optimizer)
     train_step.keep_grad_buffers = True
     generator = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, parts.model_args.vocab_size, (training.local_batch_size, training.seq_len + 1),

@@ -12,12 +12,13 @@ collective the real step issues is seen with this rank's shapes. When SimpleFSDP
 (``parallel/step_gather.py``) the trace gathers before the microbatch and reduces after it, as the step does:
 those collectives are tagged with the phases "gather" / "reduce" (once per step) and the held weights and
 gradients are live through the traced forward and backward. torch.compile is not run (it would trace for
-minutes); its effect enters the time model only (fused elementwise kernels, overlap).
+minutes); its effect enters the time model only (fused elementwise kernels, overlap). Autocast (bf16 without
+data parallel) acts on CUDA / CPU tensors only, not on meta ones: such layouts are traced in fp32, an
+over-estimate of their activations.
 """
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass
 
@@ -26,14 +27,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from titan_simple.config import JobConfig
 from titan_simple.parallel.compile import transformer_block_plan
-from titan_simple.parallel.dims import ParallelDims
-from titan_simple.parallel.pipeline import PipelinePlan
 from titan_simple.parallel.tensor_parallel import loss_parallel_context
 from titan_simple.planning.trace import Collective, OpCost, StepTracer, fused_attention, ignoring_shape_propagation
-from titan_simple.train.build import build_model_parts, compiles_loss_with_model
+from titan_simple.train.build import build_model_parts
 from titan_simple.train.optim import optimizer_from_config
+from titan_simple.train.plan import RunPlan
 from titan_simple.train.step import TrainStep, build_train_step
 
 
@@ -59,11 +58,11 @@ def _local_bytes(tensors) -> int:
     return total
 
 
-def _trace_part(part: nn.Module, stage: int | None, plan: PipelinePlan | None, tracer: StepTracer,
-                config: JobConfig, dims: ParallelDims, mesh: DeviceMesh | None, train_step: TrainStep,
-                compiled_loss: bool = False) -> StageTrace:
-    compute_dtype, loss_parallel = train_step.parts.param_dtype, train_step.parts.loss_parallel
-    training, parallelism = config.training, config.parallelism
+def _trace_part(part: nn.Module, stage: int | None, run: RunPlan, tracer: StepTracer, mesh: DeviceMesh | None,
+                train_step: TrainStep) -> StageTrace:
+    compute_dtype, loss_parallel = run.precision.param_dtype, run.loss.parallel
+    plan, dims = run.pipeline, run.dims
+    training, parallelism = run.config.training, run.config.parallelism
     batch = parallelism.pipeline_parallel_microbatch_size if plan is not None else training.local_batch_size
     first = plan is None or stage == 0
     last = plan is None or stage == plan.num_stages - 1
@@ -79,15 +78,15 @@ def _trace_part(part: nn.Module, stage: int | None, plan: PipelinePlan | None, t
 
     tracer.set_phase("forward")
     before = tracer.live
-    with fused_attention():
+    with fused_attention():  # no autocast: it keys on the tensors' device and does nothing to meta tensors
         out = part(inputs)
         if last:
             with loss_parallel_context(loss_parallel):
                 loss = train_step.loss(out, labels, 1 / (batch * training.seq_len))  # the trainer's loss, exactly
                 kept = tracer.live - before
-                if compiled_loss:
+                if run.loss.compiled_with_model:
                     # The trace runs the loss eagerly, which keeps the fp32 log-probabilities [tokens, vocab]
-                    # for backward; compiled with the model (train/step.py ModelWithLoss) the fused
+                    # for backward; compiled with the model (train/loss.py ModelWithLoss) the fused
                     # cross-entropy keeps the logits and one logsumexp per token instead. The peak is left as
                     # traced (an upper bound).
                     kept -= labels.numel() * _local_vocab(out) * 4
@@ -124,23 +123,22 @@ class RankTrace:
     seconds: float
 
 
-def trace_rank(config: JobConfig, dims: ParallelDims, mesh: DeviceMesh | None, plan: PipelinePlan | None,
-               pp_rank: int, target: torch.device) -> RankTrace:
+def trace_rank(run: RunPlan, mesh: DeviceMesh | None) -> RankTrace:
     """Build this rank's model parts by the real recipe on the meta device and trace one step."""
     start = time.perf_counter()
-    config = copy.deepcopy(config)
-    compiled_loss = compiles_loss_with_model(config, dims)  # what the real step would compile
-    config.compile.enable = False  # compiling meta graphs would take minutes; the time model accounts for it
-    # The trainer's build, left on the meta device (target: the device whose dtypes "auto" picks).
-    model_parts = build_model_parts(config, dims, mesh, target, materialize=False)
+    # Compiling meta graphs would take minutes; the time model accounts for it (and the trace for the loss
+    # compiled with the model: run.loss.compiled_with_model is kept).
+    run = run.without_compile()
+    # The trainer's build, left on the meta device.
+    model_parts = build_model_parts(run, mesh, torch.device("meta"), materialize=False)
     parts = model_parts.modules
     pipeline = model_parts.pipeline
     stages: list[int | None] = [stage.stage_index for stage in pipeline.stages] if pipeline else [None]
 
     # Steady state: gradients and optimizer state exist before the step starts (after step 1).
     params = [param for part in parts for param in part.parameters() if param.requires_grad]
-    optimizer = optimizer_from_config(config, model_parts.as_module())
-    train_step = build_train_step(model_parts, dims, optimizer)
+    optimizer = optimizer_from_config(run.config, model_parts.as_module())
+    train_step = build_train_step(model_parts, run, optimizer)
     for param in params:
         param.grad = torch.zeros_like(param)
     optimizer.step()
@@ -156,7 +154,7 @@ def trace_rank(config: JobConfig, dims: ParallelDims, mesh: DeviceMesh | None, p
         if gather is not None:
             tracer.set_phase("gather")
             gather.gather()
-        results = [_trace_part(part, stage, plan, tracer, config, dims, mesh, train_step, compiled_loss)
+        results = [_trace_part(part, stage, run, tracer, mesh, train_step)
                    for part, stage in zip(parts, stages, strict=True)]
         if gather is not None:
             tracer.set_phase("reduce")

@@ -38,15 +38,13 @@ from typing import Any
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_simple.config import JobConfig
-from titan_simple.models.llama3 import LLAMA3_FLAVORS, count_parameters, flops_per_token
+from titan_simple.models.llama3 import count_parameters, flops_per_token
 from titan_simple.parallel.dims import MESH_DIM_ORDER, ParallelDims
-from titan_simple.parallel.parallelize import compile_per_block, gather_mode, param_dtype_for
 from titan_simple.parallel.pipeline import PipelinePlan
 from titan_simple.planning.hardware import GIB, DeviceSpec
 from titan_simple.planning.rank_trace import RankTrace
 from titan_simple.planning.trace import OpCost
-from titan_simple.train.batching import accumulation_steps
+from titan_simple.train.plan import RunPlan
 
 # Share of eager elementwise memory traffic (and kernel launches) left after Inductor fuses elementwise chains:
 # a guess (a fused chain reads its inputs and writes its outputs once instead of once per op), not measured.
@@ -140,19 +138,18 @@ def collective_seconds(kind: str, nbytes: float, dim: MeshDim, spec: DeviceSpec,
     return count * spec.collective_latency + wire / (bandwidth * spec.collective_efficiency)
 
 
-def comm_overlapped(config: JobConfig, dims: ParallelDims) -> bool:
+def comm_overlapped(run: RunPlan) -> bool:
     """``auto``: overlapped when Inductor reorders the data-parallel collectives of a whole-model (or stage)
     graph; a layout compiled block by block has no such graph."""
-    choice = config.dry_run.comm_overlap
+    choice = run.config.dry_run.comm_overlap
     if choice != "auto":
         return choice == "overlapped"
-    compile_config = config.compile
-    whole_graph = compile_config.enable and not compile_per_block(config, dims)
-    return whole_graph and (compile_config.reorder or compile_config.bucketing == "auto")
+    compile_plan = run.compile
+    return compile_plan.whole_graph and (compile_plan.reorder or compile_plan.bucketing == "auto")
 
 
-def suggestion(largest: str, config: JobConfig, dims: ParallelDims) -> str:
-    if gather_mode(config, dims) == "once_per_step" and largest != "activations":
+def suggestion(largest: str, run: RunPlan) -> str:
+    if run.gather_mode == "once_per_step" and largest != "activations":
         return ("[parallelism] fsdp_gather = 'per_microbatch' (gathering once per step holds this rank's unsharded "
                 "weights and their gradients through the step), or shard the weights further")
     if largest in ("parameters", "gradients", "optimizer state"):
@@ -160,23 +157,25 @@ def suggestion(largest: str, config: JobConfig, dims: ParallelDims) -> str:
                 "tensor_parallel_degree (within a node) / pipeline_parallel_degree")
     if largest == "activations":
         ac = {"none": "[activation_checkpoint] mode = selective or full, ",
-              "selective": "[activation_checkpoint] mode = full, "}.get(config.activation_checkpoint.mode, "")
+              "selective": "[activation_checkpoint] mode = full, "}.get(run.parallel.ac_mode, "")
         return (f"{ac}lower local_batch_size / pipeline_parallel_microbatch_size, or add tensor_parallel_degree "
                 "(sequence parallel splits activations)")
     return ("lower local_batch_size, or add tensor_parallel_degree (loss parallel keeps the logits "
             "vocab-sharded); transients are gathered weights, logits and optimizer temporaries")
 
 
-def build_report(config: JobConfig, dims: ParallelDims, plan: PipelinePlan | None, pp_rank: int, rank: int,
-                 trace: RankTrace, spec: DeviceSpec, dim_of_group: dict[str, str]) -> dict[str, Any]:
+def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: DeviceSpec,
+                 dim_of_group: dict[str, str]) -> dict[str, Any]:
+    """The memory / time model of ``run``'s rank ``rank`` (pipeline rank ``pp_rank``) over its ``trace``."""
+    config, dims, plan = run.config, run.dims, run.pipeline
     training = config.training
-    args = LLAMA3_FLAVORS[config.model.flavor]
+    args = run.model_args
     mdims = mesh_dims(dims, spec.gpus_per_node)
     world = dims.dp * dims.tp * dims.pp
-    accumulation = accumulation_steps(training.global_batch_size, training.local_batch_size, dims.dp)
+    accumulation = run.accumulation_steps
     passes = (plan.n_microbatches if plan is not None else 1) * accumulation  # traced microbatch -> per step
-    compiled = config.compile.enable
-    overlapped = comm_overlapped(config, dims)
+    compiled = run.compile.enabled
+    overlapped = comm_overlapped(run)
 
     # ---- memory
     chunks = in_flight_chunks(plan, pp_rank)
@@ -227,7 +226,7 @@ def build_report(config: JobConfig, dims: ParallelDims, plan: PipelinePlan | Non
     if plan is not None:
         # Per microbatch and stage boundary: the activation forward, its gradient backward (the residual
         # stream [microbatch, seq (/tp, sequence parallel), dim] in the compute dtype).
-        dtype = param_dtype_for(config, torch.device("cuda"))
+        dtype = run.precision.param_dtype
         local_seq = training.seq_len // dims.tp if dims.tp > 1 else training.seq_len
         boundary = (config.parallelism.pipeline_parallel_microbatch_size * local_seq * args.dim
                     * torch.finfo(dtype).bits // 8)
@@ -255,7 +254,7 @@ def build_report(config: JobConfig, dims: ParallelDims, plan: PipelinePlan | Non
         factor = {"InterleavedZeroBubble": 1 / 3, "ZBVZeroBubble": 1 / 3}.get(plan.schedule, 1.0)
         bubble = (plan.pp - 1) * chunk_s * factor * accumulation
     step_s = passes * pass_s + bubble + optimizer_s + dp_once_s
-    global_tokens = training.local_batch_size * dims.dp * accumulation * training.seq_len
+    global_tokens = run.global_tokens
     tokens_per_gpu = global_tokens / world / step_s
     model_flops = flops_per_token(args, _non_embedding_params(args), training.seq_len)
     mfu = tokens_per_gpu * model_flops / spec.peak_flops
@@ -270,6 +269,7 @@ def build_report(config: JobConfig, dims: ParallelDims, plan: PipelinePlan | Non
         for (d, k, dt), v in sorted(rows.items())
     ]
     return {
+        "plan": run.describe(),
         "config": config.config_file,
         "model": config.model.flavor,
         "parameters": count_parameters_of(args),
@@ -282,11 +282,10 @@ def build_report(config: JobConfig, dims: ParallelDims, plan: PipelinePlan | Non
             "microbatches": plan.n_microbatches, "in_flight_chunks": chunks},
         "local_batch_size": training.local_batch_size,
         "seq_len": training.seq_len,
-        "activation_checkpoint": config.activation_checkpoint.mode
-        + (f" ({config.activation_checkpoint.selective_ac_option})"
-           if config.activation_checkpoint.mode == "selective" else ""),
+        "activation_checkpoint": run.parallel.ac_mode
+        + (f" ({run.parallel.ac_option})" if run.parallel.ac_mode == "selective" else ""),
         "compiled": compiled,
-        "fsdp_gather": gather_mode(config, dims),
+        "fsdp_gather": run.gather_mode,
         "comm_overlapped": overlapped,
         "memory_bytes": {
             "parameters": trace.parameter_bytes,
@@ -301,7 +300,7 @@ def build_report(config: JobConfig, dims: ParallelDims, plan: PipelinePlan | Non
         "peak_at": trace.peak_at if fwd_bwd_peak >= trace.optimizer_peak_bytes else "optimizer step",
         "fits": fits,
         "largest_contributor": largest,
-        "suggestion": None if fits else suggestion(largest, config, dims),
+        "suggestion": None if fits else suggestion(largest, run),
         "collectives_per_step": collectives,
         "time_seconds": {
             "compute": passes * compute_pass,
@@ -346,7 +345,7 @@ def _gib(n: float) -> str:
 def format_report(r: dict[str, Any]) -> str:
     m, ts = r["memory_bytes"], r["time_seconds"]
     pipe = r["pipeline"]
-    lines = [
+    lines = [*r.get("plan", []), "",
         f"dry run: llama3 {r['model']} ({r['parameters'] / 1e9:.2f}B params) on {r['world_size']} x {r['device']}, "
         f"mesh {r['mesh']}, rank {r['rank']}",
         f"  local batch {r['local_batch_size']} x seq {r['seq_len']}, AC {r['activation_checkpoint']}, "

@@ -1,12 +1,13 @@
 """One training step: forward, loss, backward, gradient clipping and the optimizer step of one global batch.
 
-    step = build_train_step(parts, dims, optimizer, lr_scheduler, max_norm=1.0)
+    step = build_train_step(parts, plan, optimizer, lr_scheduler)
     result = step(batches)          # batches: this rank's ``accumulation_steps`` (inputs, labels) pairs
 
-This is the only place that computes the training loss. The trainer, the parity tests, the dry run
-(``planning/``) and the scripts all call it, so what they check or measure is what trains. Two
-implementations share the bookkeeping: ``LocalStep`` runs the model on this rank; ``PipelineStep`` hands each
-batch to the pipeline schedule, which runs the loss on the last stage.
+The trainer, the parity tests, the dry run (``planning/``) and the scripts all call it, so what they check or
+measure is what trains: the plan (``train/plan.py``) gives the step its autocast, loss mode and compile mode,
+and the loss is ``train/loss.py``'s. Two implementations share the bookkeeping: ``LocalStep`` runs the model
+on this rank; ``PipelineStep`` hands each batch to the pipeline schedule, which runs the loss on the last
+stage.
 
 **Loss scaling.** The loss is the fp32 cross-entropy *summed* over tokens, multiplied by
 ``1 / global tokens`` of the step (all microbatches, all data-parallel ranks) before backward. SimpleFSDP sums
@@ -21,33 +22,18 @@ run's memory tracer).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.distributed.tensor import DTensor
 
 from titan_simple.parallel.clip_grad import clip_grad_norm_
-from titan_simple.parallel.dims import ParallelDims
 from titan_simple.parallel.fsdp2 import gradient_averaging_factor
 from titan_simple.parallel.tensor_parallel import loss_parallel_context
 from titan_simple.train.build import ModelParts
+from titan_simple.train.loss import ModelWithLoss, cross_entropy_sum, scaled_cross_entropy
+from titan_simple.train.plan import RunPlan
 
 Batch = tuple[torch.Tensor, torch.Tensor]
-
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Summed token cross-entropy in fp32; the caller divides by the global number of target tokens.
-
-    Vocab-sharded DTensor logits (tensor parallel with loss parallel) need this call *and* the backward
-    inside ``tensor_parallel.loss_parallel_context(True)``; the result is then a plain tensor, this rank's
-    copy of the full loss (the same on every TP rank).
-    """
-    loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
-    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 class StepHooks:
@@ -82,23 +68,24 @@ class TrainStep:
     """Forward + loss + backward of a global batch, clipping, optimizer and schedule step. Subclasses say how
     one batch runs forward and backward (``_forward_backward``) and how the gradient norm is combined."""
 
-    def __init__(self, parts: ModelParts, dims: ParallelDims, optimizer: torch.optim.Optimizer,
-                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, *, max_norm: float = 1.0,
-                 autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext) -> None:
+    def __init__(self, parts: ModelParts, plan: RunPlan, optimizer: torch.optim.Optimizer,
+                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> None:
         self.parts = parts
-        self.dims = dims
+        self.plan = plan
+        self.dims = plan.dims
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
+        max_norm = plan.config.training.max_norm
         self.max_norm = max_norm if max_norm > 0 else float("inf")
-        self.autocast = autocast
+        self.autocast = plan.autocast
         self.hooks = StepHooks()
         self.keep_grad_buffers = False  # True: zero the gradients in place instead of freeing them (measurements)
         self.device = parts.device
 
     def loss(self, output: torch.Tensor, labels: torch.Tensor, loss_scale: float) -> torch.Tensor:
         """The scaled training loss of one batch's output. With loss parallel, call it and run its backward
-        inside ``loss_parallel_context(parts.loss_parallel)``."""
-        return cross_entropy_sum(output, labels) * loss_scale
+        inside ``loss_parallel_context(plan.loss.parallel)``."""
+        return scaled_cross_entropy(output, labels, loss_scale)
 
     def loss_scale(self, global_tokens: int) -> float:
         return gradient_averaging_factor(self.parts.modules[0], self.dims.dp) / global_tokens
@@ -165,43 +152,27 @@ class TrainStep:
         return None
 
 
-class ModelWithLoss(nn.Module):
-    """The model and the training loss as one module, so that ``[compile]`` traces them into one graph:
-    Inductor then fuses the fp32 cross-entropy into the step and never materializes fp32 log-probabilities of
-    the whole batch (``[tokens, vocab]``, ~130 MB per 16k tokens of a 2k vocabulary, ~8 GB for Llama 3 8B at
-    16k tokens), nor their gradient separately from the logits' gradient."""
-
-    def __init__(self, model: nn.Module, autocast: Callable[[], contextlib.AbstractContextManager]) -> None:
-        super().__init__()
-        self.model = model
-        self._autocast = autocast
-
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        with self._autocast():
-            output = self.model(inputs)
-        return cross_entropy_sum(output, labels)
-
-
 class LocalStep(TrainStep):
-    """The whole model on this rank (any data / tensor parallel layout). When the model compiles as one graph
-    (``parts.compile_with_loss``), the loss is compiled with it (``ModelWithLoss``)."""
+    """The whole model on this rank (any data / tensor parallel layout). When the plan compiles the loss with
+    the model (``plan.loss.compiled_with_model``), they are compiled as one graph (``ModelWithLoss``)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.model_with_loss: ModelWithLoss | None = None
-        if self.parts.compile_with_loss is not None:
+        if self.plan.loss.compiled_with_model:
             self.model_with_loss = ModelWithLoss(self.parts.modules[0], self.autocast)
-            self.parts.compile_with_loss(self.model_with_loss)
+            if self.plan.compile.enabled:  # the dry run traces the same step eagerly (plan.without_compile)
+                self.plan.compile.compile_whole(self.model_with_loss, plan_root="model")
 
     def _forward_backward(self, inputs, labels, loss_scale):
         self.hooks.phase("forward")
         if self.model_with_loss is None:
             with self.autocast():
                 output = self.parts.modules[0](inputs)
-        with loss_parallel_context(self.parts.loss_parallel):
+        with loss_parallel_context(self.plan.loss.parallel):
             if self.model_with_loss is None:
                 loss_sum = cross_entropy_sum(output, labels)
-            else:  # never with loss parallel (build.compiles_loss_with_model): the context is a no-op here
+            else:  # never with loss parallel (plan.choose_compile_mode): the context is a no-op here
                 loss_sum = self.model_with_loss(inputs, labels)
             self.hooks.phase("backward")
             (loss_sum * loss_scale).backward()
@@ -210,15 +181,12 @@ class LocalStep(TrainStep):
 
 class PipelineStep(TrainStep):
     """This rank's pipeline stages: the schedule runs forward and backward microbatch by microbatch and calls
-    ``loss`` on the last stage; only that stage's rank sees the loss, the others receive it afterwards."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.parts.pipeline.loss_fn = self.loss
+    the training loss (``train/loss.py``, given to it by the build) on the last stage; only that stage's rank
+    sees the loss, the others receive it afterwards."""
 
     def _forward_backward(self, inputs, labels, loss_scale):
         self.hooks.phase("forward")
-        with self.autocast(), loss_parallel_context(self.parts.loss_parallel):
+        with self.autocast(), loss_parallel_context(self.plan.loss.parallel):
             return self.parts.pipeline.step(inputs, labels, loss_scale)
 
     def _combine_loss(self, loss_sum):
@@ -228,10 +196,8 @@ class PipelineStep(TrainStep):
         return self.parts.pipeline.pp_group
 
 
-def build_train_step(parts: ModelParts, dims: ParallelDims, optimizer: torch.optim.Optimizer,
-                     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, *, max_norm: float = 1.0,
-                     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-                     ) -> TrainStep:
-    """The step for ``parts``: a ``PipelineStep`` when they are pipeline stages, else a ``LocalStep``."""
+def build_train_step(parts: ModelParts, plan: RunPlan, optimizer: torch.optim.Optimizer,
+                     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> TrainStep:
+    """The step for ``parts`` as ``plan`` says: a ``PipelineStep`` for pipeline stages, else a ``LocalStep``."""
     cls = PipelineStep if parts.pipeline is not None else LocalStep
-    return cls(parts, dims, optimizer, lr_scheduler, max_norm=max_norm, autocast=autocast)
+    return cls(parts, plan, optimizer, lr_scheduler)

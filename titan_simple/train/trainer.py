@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import signal
 from typing import Any
@@ -14,8 +13,8 @@ from torch import nn
 from titan_simple.config import JobConfig, resolve_project_path
 from titan_simple.data import Tokenizer, build_dataloader
 from titan_simple.errors import NonFiniteTraining
-from titan_simple.parallel.dims import ParallelDims, dp_rank_and_size
-from titan_simple.train.build import build_model_parts, check_layout, check_vocabulary
+from titan_simple.parallel.dims import dp_rank_and_size
+from titan_simple.train.build import build_model_parts
 from titan_simple.train.checkpoint import CheckpointManager, TrainProgress
 from titan_simple.train.distributed import DistInfo, init_process_group, read_launch_environment
 from titan_simple.train.metrics import (
@@ -26,26 +25,31 @@ from titan_simple.train.metrics import (
     peak_flops_per_second,
 )
 from titan_simple.train.optim import lr_scheduler_from_config, optimizer_from_config
+from titan_simple.train.plan import check_vocabulary, resolve_plan
 from titan_simple.train.profiling import Profiler
-from titan_simple.train.step import StepResult, build_train_step, cross_entropy_sum
+from titan_simple.train.step import StepResult, build_train_step
 from titan_simple.train.validation import Validator
 
 logger = logging.getLogger("titan_simple")
 
 
 class Trainer:
-    """Builds everything once (checks first, then the process group, mesh, data, model parts, optimizer, the
-    step, metrics and checkpoint), then ``train()`` runs the loop. ``self.step_fn`` is the training step
-    (``train/step.py``); ``self.step_fn.hooks`` lets a caller watch it."""
+    """Builds everything once (the plan and its checks first, then the process group, mesh, data, model parts,
+    optimizer, the step, metrics and checkpoint), then ``train()`` runs the loop. ``self.plan`` is every
+    decision of the run (``train/plan.py``); ``self.step_fn`` the training step (``train/step.py``), whose
+    ``hooks`` let a caller watch it."""
 
     def __init__(self, config: JobConfig, dist_info: DistInfo | None = None) -> None:
         self.config = config
         training = config.training
         self.dist = dist_info or read_launch_environment()
         self.device = self.dist.device
-        # Every check that needs no communication comes before the process group exists.
-        self.dims = ParallelDims.from_config(config, self.dist.world_size)
-        self.gradient_accumulation_steps = check_layout(config, self.dims)
+        # Every decision and every check that needs no communication comes before the process group exists.
+        self.plan = resolve_plan(config, self.dist.world_size, self.device.type)
+        self.dims = self.plan.dims
+        self.gradient_accumulation_steps = self.plan.accumulation_steps
+        for line in self.plan.describe():
+            logger.info(line)
         self.tokenizer = Tokenizer(resolve_project_path(config.model.tokenizer_path))  # fails fast on a bad path
         check_vocabulary(config, self.tokenizer.vocab_size)
         init_process_group(self.dist)
@@ -64,28 +68,26 @@ class Trainer:
             dp_rank=self.dp_rank,
             dp_world_size=self.dp_size,
             # The layout-invariant order: one stream per row of the global batch (data/global_order.py).
-            global_rows=training.local_batch_size * self.dp_size * self.gradient_accumulation_steps,
-            shuffle_seed=training.seed if training.shuffle else None,
+            global_rows=self.plan.data.global_rows,
+            shuffle_seed=self.plan.data.shuffle_seed,
         )
-        self.parts = build_model_parts(config, self.dims, self.mesh, self.device)
+        self.parts = build_model_parts(self.plan, self.mesh, self.device)
         self.model_parts = self.parts.modules
         self.model, self.pipeline = self.parts.model, self.parts.pipeline  # model: None under pipeline parallel
         self.num_params, self.flops_per_token = self.parts.num_params, self.parts.flops_per_token
 
         self.optimizer = optimizer_from_config(config, nn.ModuleList(self.model_parts))
         self.lr_scheduler = lr_scheduler_from_config(config, self.optimizer)
-        self.step_fn = build_train_step(self.parts, self.dims, self.optimizer, self.lr_scheduler,
-                                        max_norm=training.max_norm, autocast=self._autocast)
+        self.step_fn = build_train_step(self.parts, self.plan, self.optimizer, self.lr_scheduler)
         self.metrics = MetricsLogger(
             config.job.dump_folder, rank=self.dist.rank, enable_tensorboard=config.metrics.enable_tensorboard,
             save_tb_folder=config.metrics.save_tb_folder,
         )
         self.memory = MemoryMonitor(self.device)
         self.validator = Validator(
-            config, tokenizer=self.tokenizer, dp_rank=self.dp_rank, dp_size=self.dp_size, device=self.device,
-            model=self.model, pipeline=self.pipeline, loss_sum_fn=cross_entropy_sum,
-            loss_parallel=self.parts.loss_parallel, autocast=self._autocast,
-        ) if config.validation.enable else None
+            self.plan, tokenizer=self.tokenizer, dp_rank=self.dp_rank, dp_size=self.dp_size, device=self.device,
+            model=self.model, pipeline=self.pipeline,
+        ) if self.plan.validation is not None else None
         self.profiler = Profiler(config.profiling, config.job.dump_folder, rank=self.dist.rank, device=self.device)
         self.peak_flops = peak_flops_per_second(self.device)
         self.step = 0
@@ -103,25 +105,10 @@ class Trainer:
             self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
 
     def _log_summary(self) -> None:
-        training, parallelism = self.config.training, self.config.parallelism
-        tokens = training.local_batch_size * self.dims.dp * self.gradient_accumulation_steps * training.seq_len
-        logger.info(
-            "model llama3 %s: %s parameters | mesh %s (world %d, %s %s) | %s on %s | "
-            "global batch %d tokens (%d accumulation steps) | dataset %s | dump %s",
-            self.config.model.flavor, f"{self.num_params:,}", self.dims.describe, self.dist.world_size,
-            parallelism.fsdp_implementation,
-            self.dims.data_parallel_mode if self.dims.dp_enabled else "no data parallel",
-            str(self.parts.param_dtype).removeprefix("torch."), self.device, tokens,
-            self.gradient_accumulation_steps, training.dataset, self.config.job.dump_folder,
-        )
-        if self.pipeline is not None:
-            logger.info(self.pipeline.describe())
-
-    def _autocast(self) -> contextlib.AbstractContextManager:
-        """Without data parallel nobody casts the weights for us: autocast does it (GPU bf16 only)."""
-        if self.dims.dp_enabled or self.parts.param_dtype == torch.float32:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.parts.param_dtype)
+        stages = ("" if self.pipeline is None else
+                  " (this rank's stages: " + ", ".join(str(s.stage_index) for s in self.pipeline.stages) + ")")
+        logger.info("built: %s parameters on %s%s | dataset %s | dump %s", f"{self.num_params:,}", self.device,
+                    stages, self.config.training.dataset, self.config.job.dump_folder)
 
     # ------------------------------------------------------------------------------------------ step
 

@@ -1,6 +1,6 @@
 """Validation: loss and perplexity on held-out data, every ``[validation] freq`` steps and at the last step.
 
-    validator = Validator(config, tokenizer=..., dp_rank=..., dp_size=..., device=..., model=..., ...)
+    validator = Validator(plan, tokenizer=..., dp_rank=..., dp_size=..., device=..., model=..., pipeline=...)
     if validator.due(step, total_steps):
         metrics_logger.log(step, validator.validate())   # validation_metrics/loss, validation_metrics/perplexity
 
@@ -20,38 +20,32 @@ same batches and their losses compare directly.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from titan_simple.config import JobConfig
 from titan_simple.data import Tokenizer, build_dataloader
 from titan_simple.errors import ConfigError
 from titan_simple.parallel.pipeline import PipelineRun
 from titan_simple.parallel.tensor_parallel import loss_parallel_context
+from titan_simple.train.loss import cross_entropy_sum
 from titan_simple.train.metrics import VALIDATION_LOSS, VALIDATION_PERPLEXITY
+from titan_simple.train.plan import RunPlan
 
 logger = logging.getLogger(__name__)
 
-LossSumFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
 
 class Validator:
-    """Evaluates ``model`` (or the pipeline's stages) on this rank's share of the held-out data.
-
-    ``loss_sum_fn(logits, labels)`` is the trainer's summed cross-entropy (under ``loss_parallel_context``
-    when ``loss_parallel``); ``autocast`` the trainer's autocast context factory. Give ``model`` without
-    pipeline parallel, ``pipeline`` with it.
-    """
+    """Evaluates ``model`` (or the pipeline's stages) on this rank's share of the held-out data, with the
+    trainer's loss (``train/loss.py``), autocast and loss parallel (``plan``). Give ``model`` without pipeline
+    parallel, ``pipeline`` with it."""
 
     def __init__(
         self,
-        config: JobConfig,
+        plan: RunPlan,
         *,
         tokenizer: Tokenizer,
         dp_rank: int,
@@ -59,36 +53,21 @@ class Validator:
         device: torch.device,
         model: nn.Module | None,
         pipeline: PipelineRun | None,
-        loss_sum_fn: LossSumFn,
-        loss_parallel: bool = False,
-        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     ) -> None:
-        validation, training = config.validation, config.training
+        validation = plan.config.validation
         if (model is None) == (pipeline is None):
             raise ValueError("Validator needs exactly one of model and pipeline")
+        if plan.validation is None:
+            raise ValueError("Validator: [validation] is not enabled in the plan")
         self.freq = validation.freq
         self.steps = validation.steps
-        self.local_batch_size = (training.local_batch_size if validation.local_batch_size == -1
-                                 else validation.local_batch_size)
-        self.seq_len = training.seq_len if validation.seq_len == -1 else validation.seq_len
-        tp = config.parallelism.tensor_parallel_degree
-        if self.seq_len % tp:
-            raise ConfigError(
-                f"[validation] seq_len = {self.seq_len} is not a multiple of [parallelism] tensor_parallel_degree "
-                f"= {tp}; sequence parallel splits every sequence evenly."
-            )
-        if pipeline is not None and self.local_batch_size % pipeline.plan.n_microbatches:
-            raise ConfigError(
-                f"[validation] local_batch_size = {self.local_batch_size} must be a multiple of the pipeline's "
-                f"{pipeline.plan.n_microbatches} microbatches ([training] local_batch_size / "
-                f"[parallelism] pipeline_parallel_microbatch_size)."
-            )
+        self.local_batch_size = plan.validation.local_batch_size
+        self.seq_len = plan.validation.seq_len
         self.model = model
         self.pipeline = pipeline
         self.device = device
-        self.loss_sum_fn = loss_sum_fn
-        self.loss_parallel = loss_parallel
-        self.autocast = autocast
+        self.loss_parallel = plan.loss.parallel
+        self.autocast = plan.autocast
         # Not endless: with steps = -1 a validation reads the held-out documents once.
         try:
             self.dataloader = build_dataloader(
@@ -114,7 +93,7 @@ class Validator:
         with self.autocast():
             logits = self.model(inputs)
         with loss_parallel_context(self.loss_parallel):
-            return self.loss_sum_fn(logits, labels)
+            return cross_entropy_sum(logits, labels)
 
     def _everyone_has_a_batch(self, has_batch: bool) -> bool:
         """Ranks may run out of held-out data at different batches: stop all when the first does."""

@@ -1,0 +1,217 @@
+"""The run plan (``train/plan.py``): every derived decision in one place, used by everything that builds a step.
+
+The structural tests read the source: each decision has exactly one function, only the resolver calls it, and
+no module reads a decision's config key to decide again. The package layers point one way and no module
+imports itself back through another.
+"""
+
+from __future__ import annotations
+
+import ast
+import collections
+from pathlib import Path
+
+import pytest
+import torch
+
+from titan_simple.config import load_job_config
+from titan_simple.errors import ConfigError
+from titan_simple.train.plan import resolve_plan
+
+REPO = Path(__file__).resolve().parent.parent
+PLAN_FILE = REPO / "titan_simple" / "train" / "plan.py"
+# Every derived decision's function; resolve_plan is the only caller outside tests.
+DECISIONS = (
+    "model_args_for", "plan_pipeline", "accumulation_steps", "choose_gather_mode", "choose_precision",
+    "cpu_has_native_bf16", "choose_compile_mode", "uses_loss_parallel", "choose_reshard_after_forward",
+    "plan_validation",
+)
+# Config keys that feed a decision: read only by config.py and the plan.
+DECISION_KEYS = {
+    "parallelism": {"fsdp_gather", "fsdp_reshard_after_forward", "fsdp_implementation", "disable_loss_parallel",
+                    "pipeline_parallel_schedule"},
+    "training": {"mixed_precision_param", "mixed_precision_reduce", "global_batch_size", "shuffle"},
+    "activation_checkpoint": {"mode", "selective_ac_option"},
+    "compile": {"enable", "bucketing", "reorder", "backend", "manual_bucketed_modules"},
+}
+# Lower layers first; a module may import only from its own package or a lower layer.
+LAYERS = {"errors": 0, "config": 1, "models": 2, "data": 3, "parallel": 3, "train": 4, "planning": 5,
+          "generate": 5}
+
+
+def _sources() -> dict[Path, ast.Module]:
+    files = [*(REPO / "titan_simple").rglob("*.py"), *(REPO / "scripts").glob("*.py"), REPO / "train.py"]
+    return {f: ast.parse(f.read_text()) for f in files}
+
+
+def _called_name(node: ast.Call) -> str | None:
+    func = node.func
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else None
+
+
+def test_each_decision_has_one_function_and_only_the_resolver_calls_it():
+    definitions = collections.Counter()
+    callers: dict[str, set[str]] = collections.defaultdict(set)
+    for path, tree in _sources().items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and node.name in DECISIONS:
+                definitions[node.name] += 1
+            if isinstance(node, ast.Call) and _called_name(node) in DECISIONS:
+                callers[_called_name(node)].add(str(path.relative_to(REPO)))
+    assert definitions == collections.Counter({name: 1 for name in DECISIONS})
+    plan_file = str(PLAN_FILE.relative_to(REPO))
+    assert {name: callers[name] for name in DECISIONS} == {name: {plan_file} for name in DECISIONS}
+
+
+def test_no_module_reads_a_decision_key_but_the_config_and_the_plan():
+    readers = []
+    for path, tree in _sources().items():
+        if path.name == "config.py" or path == PLAN_FILE:
+            continue
+        for node in ast.walk(tree):
+            # <anything>.<section>.<key>, e.g. config.parallelism.fsdp_gather
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                    and node.attr in DECISION_KEYS.get(node.value.attr, ()) and _is_config_section(node.value)):
+                readers.append(f"{path.relative_to(REPO)}:{node.lineno} .{node.value.attr}.{node.attr}")
+    assert readers == []
+
+
+def _is_config_section(node: ast.Attribute) -> bool:
+    """``config.<section>`` or ``<x>.config.<section>``: a JobConfig's section, not a plan's field."""
+    owner = node.value
+    name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+    return name == "config"
+
+
+def _titan_imports() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = collections.defaultdict(set)
+    for path in (REPO / "titan_simple").rglob("*.py"):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts).removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text())):  # lazy imports inside functions count too
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            edges[module] |= {n for n in names if n.startswith("titan_simple.")}
+    return edges
+
+
+def test_packages_import_only_lower_layers():
+    def package(module: str) -> str:
+        return module.split(".")[1]
+
+    upward = sorted(f"{a} -> {b}" for a, targets in _titan_imports().items() for b in targets
+                    if package(a) != package(b) and LAYERS[package(b)] >= LAYERS[package(a)])
+    assert upward == []
+
+
+def test_no_import_cycle():
+    edges = _titan_imports()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(edges.get(module, ())):
+            if state.get(target) == 1:
+                cycles.append(path[path.index(target):] + [target] if target in path else [module, target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
+
+
+def test_package_modules_stay_under_500_lines():
+    long = {str(p.relative_to(REPO)): n for p in (REPO / "titan_simple").rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 500 and p.name != "config.py"}
+    assert long == {}
+
+
+# ---------------------------------------------------------------------------------------------- behaviour
+
+
+def _config(*overrides: str):
+    return load_job_config(["--config", "llama3_debug.toml", "--training.seq_len=64", "--training.local_batch_size=2",
+                            *overrides])
+
+
+def test_plan_of_the_default_job_says_what_runs_and_why():
+    run = resolve_plan(_config("--training.mixed_precision_param=float32"), 2, "cpu")
+    lines = run.describe()
+    assert len(lines) <= 8
+    assert lines[0].startswith("plan: llama3 debugmodel (6 layers") and "dp_shard2" in lines[0]
+    text = "\n".join(lines)
+    assert "SimpleFSDP fully_shard, reshard after forward (default: no pipeline)" in text
+    assert "gather per_microbatch (auto: no pipeline)" in text
+    assert "float32 compute, float32 reduce, no autocast" in text
+    assert "4 x 64 = 256 tokens per step | local 2 x 1 accumulation" in text
+    assert (run.accumulation_steps, run.data.global_rows, run.data.shuffle_seed) == (1, 4, 0)
+    assert run.compile.mode == "off" and not run.loss.parallel and not run.loss.compiled_with_model
+
+
+@pytest.mark.parametrize(("world", "overrides", "expected"), [
+    (2, ("--compile.enable",), ("whole_with_loss", False, True, "per_microbatch")),
+    (4, ("--compile.enable", "--parallelism.tensor_parallel_degree=2"), ("whole", True, True, "per_microbatch")),
+    (4, ("--compile.enable", "--parallelism.pipeline_parallel_degree=2"), ("whole", False, False, "once_per_step")),
+    (4, ("--compile.enable", "--parallelism.pipeline_parallel_degree=2", "--parallelism.tensor_parallel_degree=2",
+         "--parallelism.pipeline_parallel_schedule=Interleaved1F1B", "--training.local_batch_size=4"),
+     ("per_block", True, False, "per_microbatch")),
+    (2, ("--compile.enable", "--parallelism.fsdp_implementation=fsdp2"), ("per_block", False, True, "per_microbatch")),
+])
+def test_plan_decides_compile_loss_and_gather_modes_together(world, overrides, expected):
+    """(compile mode, loss parallel, reshard after forward, gather mode) of typical layouts."""
+    run = resolve_plan(_config(*overrides), world, "cpu")
+    assert (run.compile.mode, run.loss.parallel, run.parallel.reshard_after_forward, run.gather_mode) == expected
+    assert run.loss.compiled_with_model == (expected[0] == "whole_with_loss")
+    assert run.without_compile().compile.mode == "off" and run.without_compile().loss == run.loss
+
+
+@pytest.mark.parametrize(("world", "overrides", "message"), [
+    (3, ("--parallelism.tensor_parallel_degree=2",), "does not divide the world size 3"),
+    (2, ("--training.global_batch_size=6",), "global_batch_size = 6 is not a multiple"),
+    (2, ("--parallelism.tensor_parallel_degree=2", "--validation.enable", "--validation.seq_len=63"),
+     r"\[validation\] seq_len = 63 is not a multiple"),
+    (4, ("--parallelism.pipeline_parallel_degree=2", "--validation.enable", "--validation.local_batch_size=1"),
+     r"\[validation\] local_batch_size = 1 must be a multiple"),
+    (2, ("--parallelism.fsdp_gather=once_per_step", "--parallelism.fsdp_implementation=fsdp2"), "needs SimpleFSDP"),
+    (2, ("--model.flavor=7B",), "flavor '7B' is unknown"),
+])
+def test_resolving_raises_every_check_that_needs_no_communication(world, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve_plan(_config(*overrides), world, "cpu")
+
+
+def test_steps_built_by_the_parity_helper_and_the_dry_run_use_the_trainers_autocast_and_loss(monkeypatch):
+    """A bf16 layout without data parallel: nothing casts the weights, so the trainer's step runs under autocast.
+    The parity helper and the dry run build their step from the same plan, so they get it too (and the
+    trainer's loss): the model's matmuls compute in bf16 although the weights are fp32."""
+    from tests.parity import build_layout
+    from titan_simple.planning import rank_trace
+    from titan_simple.train.loss import scaled_cross_entropy
+
+    config = _config("--training.mixed_precision_param=bfloat16", "--model.flavor=debugmodel")
+    layout = build_layout(config)
+    assert layout.plan.precision.autocast_dtype == torch.bfloat16
+    context = layout.step.autocast()
+    assert isinstance(context, torch.autocast) and context.fast_dtype == torch.bfloat16
+    dtypes = []
+    layer = layout.parts.model.layers["0"].attention.wq
+    handle = layer.register_forward_hook(lambda module, args, output: dtypes.append(output.dtype))
+    inputs = torch.randint(0, 2000, (2, 64))
+    result = layout.step([(inputs, inputs)])
+    handle.remove()
+    assert dtypes == [torch.bfloat16] and layer.weight.dtype == torch.float32
+    assert torch.isfinite(result.loss_sum)
+
+    built = []
+    real = rank_trace.build_train_step
+    monkeypatch.setattr(rank_trace, "build_train_step", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    rank_trace.trace_rank(resolve_plan(config, 1, "cpu"), None)
+    (step,) = built
+    assert step.plan.precision.autocast_dtype == torch.bfloat16
+    traced_context = step.autocast()
+    assert isinstance(traced_context, torch.autocast) and traced_context.fast_dtype == torch.bfloat16
+    logits, labels = torch.randn(1, 4, 8), torch.randint(0, 8, (1, 4))
+    assert torch.equal(step.loss(logits, labels, 0.5), scaled_cross_entropy(logits, labels, 0.5))
