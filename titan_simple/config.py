@@ -164,8 +164,9 @@ class ActivationCheckpoint:
         choices=("none", "full", "selective"),
     )
     selective_ac_option: str = option(
-        "op", "For selective: 'op' saves matmul and attention outputs and recomputes the cheap ops; an "
-        "integer N checkpoints every N-th block fully."
+        "op", "For selective: 'op' saves attention outputs and every second matmul output of each block (wq, wv, "
+        "w1, w2; TorchTitan's trade-off) and recomputes the rest; 'op_all_matmuls' saves every matmul output "
+        "(less recompute, more memory); an integer N checkpoints every N-th block fully."
     )
 
 
@@ -552,8 +553,10 @@ def validate(config: JobConfig) -> None:
              "decay_ratio", "none or a fraction in [0, 1]")
     _require(0 <= lr_scheduler.min_lr_factor <= 1, config, "lr_scheduler", "min_lr_factor", "a fraction in [0, 1]")
     ac = config.activation_checkpoint
-    _require(ac.selective_ac_option == "op" or (ac.selective_ac_option.isdigit() and int(ac.selective_ac_option) > 0),
-             config, "activation_checkpoint", "selective_ac_option", "'op' or a positive integer N (every N-th block)")
+    _require(ac.selective_ac_option in ("op", "op_all_matmuls")
+             or (ac.selective_ac_option.isdigit() and int(ac.selective_ac_option) > 0), config,
+             "activation_checkpoint", "selective_ac_option",
+             "'op', 'op_all_matmuls' or a positive integer N (every N-th block)")
     _require(config.metrics.log_freq > 0, config, "metrics", "log_freq", "a positive integer")
     for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree"):
         _require(getattr(parallelism, key) >= 1, config, "parallelism", key, "an integer >= 1")

@@ -4,8 +4,8 @@ Two users want to decide what a module keeps for backward:
 
 * SimpleFSDP's reshard-after-forward (``reshard_policy``): the all-gathered weights, their dtype cast and
   every view of them must be recomputed in backward, so the unsharded weights die after forward;
-* activation checkpointing proper (``full_recompute_policy`` here, op-level selective policies later):
-  which activations to save and which to recompute.
+* activation checkpointing proper (``full_recompute_policy``, ``SelectiveOpPolicy``): which activations to
+  save and which to recompute.
 
 Each is a *policy*: ``policy(ctx, op, *args, **kwargs)`` returns a ``CheckpointPolicy`` or ``None`` ("no
 opinion"). ``compose_policies(a, b, ...)`` asks them in order and takes the first opinion; with none, the
@@ -87,10 +87,18 @@ def compose_policies(*policies: Policy | None) -> Callable[..., CheckpointPolicy
         return CheckpointPolicy.PREFER_SAVE
 
     policy.chain = chain  # what apply_checkpoint composes a later policy with
+    # A policy that counts ops (SelectiveOpPolicy) starts each checkpointed forward with a fresh count.
+    policy.fresh = lambda: compose_policies(*(getattr(p, "fresh", lambda p=p: p)() for p in chain))
     return policy
 
 
 _CHECKPOINTED_CLASSES: dict[type, type] = {}
+
+
+def _selective_contexts(policy):
+    """The checkpoint's ``context_fn``: called once per checkpointed forward, so a counting policy starts
+    fresh each time."""
+    return create_selective_checkpoint_contexts(policy.fresh(), allow_cache_entry_mutation=True)
 
 
 def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
@@ -103,9 +111,7 @@ def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
             # Model code mutates some saved outputs in place (rms_norm: ``mean(x^2).add_(eps)``). The cache
             # then holds the mutated value, and the in-place op itself is replayed from the cache, not
             # re-run: correct, so allow it rather than fail.
-            context_fn = partial(
-                create_selective_checkpoint_contexts, self._checkpoint_policy, allow_cache_entry_mutation=True
-            )
+            context_fn = partial(_selective_contexts, self._checkpoint_policy)
             return checkpoint(original_forward, self, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
         _CHECKPOINTED_CLASSES[cls] = type(cls.__name__, (cls,), {"forward": forward, "_is_checkpointed": True})
@@ -135,35 +141,64 @@ def is_checkpointed(module: nn.Module) -> bool:
 # ---------------------------------------------------------------------------------------------- AC modes
 
 _aten = torch.ops.aten
-# Op-level selective AC saves the outputs of the expensive ops and recomputes the cheap ones around them
-# (norms, activations, RoPE, casts): most of the memory saving of full AC at a fraction of its compute.
-_SAVE_IN_SELECTIVE_AC = {
-    _aten.mm.default,
-    _aten.addmm.default,
-    _aten.bmm.default,
+_MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default}
+_ATTENTION = {
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
-    _c10d.reduce_scatter_tensor.default,  # tensor-parallel activation collectives: never run them twice
+}
+# Tensor-parallel activation collectives (sequence parallel's all-gather / reduce-scatter, the all-reduce without
+# it): never run twice. SimpleFSDP's weight all-gathers are decided before (reshard_policy: recomputed).
+_TENSOR_PARALLEL_COLLECTIVES = {
+    _c10d.all_gather_into_tensor.default,
+    _c10d.reduce_scatter_tensor.default,
     _c10d.all_reduce.default,
 }
+# The selective_ac_option names of the op-level policies.
+SELECTIVE_OP_POLICIES = ("op", "op_all_matmuls")
 
 
-def selective_op_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    if op in _SAVE_IN_SELECTIVE_AC:
-        return CheckpointPolicy.MUST_SAVE
-    return CheckpointPolicy.PREFER_RECOMPUTE
+class SelectiveOpPolicy:
+    """Op-level selective AC: save the outputs of the expensive ops, recompute the cheap ones around them
+    (norms, activations, RoPE, casts, residual adds).
+
+    ``every_second_matmul=True`` (``selective_ac_option = "op"``, TorchTitan's trade-off): also recompute every
+    second matmul of each block's forward, counting in call order from 1 and recomputing the even ones. In a
+    Llama block the matmuls run wq, wk, wv, wo, w1, w3, w2: wq, wv, w1 and w2 are saved, wk, wo and w3
+    recomputed. ``False`` (``"op_all_matmuls"``): every matmul output is saved (less recompute, more memory).
+    Attention outputs and tensor-parallel collectives are always saved.
+
+    The matmul count restarts for every checkpointed forward: ``fresh()`` gives each call its own counter
+    (torch calls the policy in forward only; recomputation replays the forward's decisions)."""
+
+    def __init__(self, every_second_matmul: bool) -> None:
+        self.every_second_matmul = every_second_matmul
+        self.matmuls = 0
+
+    def fresh(self) -> SelectiveOpPolicy:
+        return SelectiveOpPolicy(self.every_second_matmul)
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op in _MATMULS:
+            self.matmuls += 1
+            if self.every_second_matmul and self.matmuls % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
+        if op in _ATTENTION or op in _TENSOR_PARALLEL_COLLECTIVES:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleDict | nn.ModuleList, mode: str, option: str = "op") -> None:
-    """``full``: every block keeps only its input. ``selective`` + ``op``: every block saves matmul and
-    attention outputs only. ``selective`` + ``N``: every N-th block is fully checkpointed."""
+    """``full``: every block keeps only its input. ``selective`` + ``op``: every block saves attention outputs
+    and every second matmul output (``SelectiveOpPolicy``); ``op_all_matmuls``: every matmul output.
+    ``selective`` + ``N``: every N-th block is fully checkpointed."""
     blocks = list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
     if mode == "full":
         apply_checkpoint(blocks, full_recompute_policy)
-    elif mode == "selective" and option == "op":
-        apply_checkpoint(blocks, selective_op_policy)
+    elif mode == "selective" and option in SELECTIVE_OP_POLICIES:
+        apply_checkpoint(blocks, SelectiveOpPolicy(every_second_matmul=option == "op"))
     elif mode == "selective":
         every = int(option)
         apply_checkpoint([b for i, b in enumerate(blocks) if (i + 1) % every == 0], full_recompute_policy)

@@ -1,0 +1,113 @@
+"""Op-level selective activation checkpointing: which ops each policy saves, that recomputing changes no number,
+and that tensor-parallel collectives never run twice."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.checkpoint import CheckpointPolicy
+
+from tests.parity import Recipe, build_layout, train_steps
+from titan_simple.models.llama3 import LLAMA3_FLAVORS, TransformerBlock, precompute_freqs_cis
+from titan_simple.parallel.activation_checkpoint import SelectiveOpPolicy, apply_checkpoint
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+SAVE, RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _Recording(SelectiveOpPolicy):
+    """The policy, recording each matmul's decision with its output width and each attention's decision."""
+
+    log: list[tuple[str, int, CheckpointPolicy]] = []
+
+    def fresh(self) -> _Recording:
+        return _Recording(self.every_second_matmul)
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        decision = super().__call__(ctx, op, *args, **kwargs)
+        name = str(op)
+        if "mm" in name:
+            _Recording.log.append(("mm", args[1].shape[-1], decision))
+        elif "attention" in name:
+            _Recording.log.append(("attention", 0, decision))
+        return decision
+
+
+def _block_decisions(every_second_matmul: bool) -> tuple[list, TransformerBlock]:
+    args = LLAMA3_FLAVORS["debugmodel"]
+    torch.manual_seed(0)
+    block = TransformerBlock(0, args)
+    apply_checkpoint(block, _Recording(every_second_matmul))
+    freqs = precompute_freqs_cis(args.head_dim, 16, args.rope_theta)
+    x = torch.randn(2, 16, args.dim, requires_grad=True)
+    _Recording.log = []
+    for _ in range(2):  # the count restarts for every checkpointed forward
+        block(x, freqs).sum().backward()
+    return _Recording.log, block
+
+
+def test_op_policy_saves_attention_and_every_second_matmul():
+    log, block = _block_decisions(every_second_matmul=True)
+    attention, ffn = block.attention, block.feed_forward
+    # Call order wq, wk, wv, (attention), wo, w1, w3, w2: the 1st, 3rd, 5th and 7th matmul are saved.
+    one_forward = [
+        ("mm", attention.wq.out_features, SAVE), ("mm", attention.wk.out_features, RECOMPUTE),
+        ("mm", attention.wv.out_features, SAVE), ("attention", 0, SAVE), ("mm", attention.wo.out_features, RECOMPUTE),
+        ("mm", ffn.w1.out_features, SAVE), ("mm", ffn.w3.out_features, RECOMPUTE), ("mm", ffn.w2.out_features, SAVE),
+    ]
+    assert log == one_forward * 2
+
+
+def test_op_all_matmuls_policy_saves_every_matmul():
+    log, _ = _block_decisions(every_second_matmul=False)
+    assert [decision for _, _, decision in log] == [SAVE] * 16
+
+
+@pytest.mark.parametrize("option", ["op", "op_all_matmuls", "2"])
+def test_selective_ac_changes_no_loss_or_gradient_bitwise(option):
+    """fp32 on one process: recomputing runs the same kernels on the same inputs, so every loss and every
+    first-step gradient is bitwise the one without checkpointing."""
+    recipe = Recipe(global_batch=2, seq_len=32, steps=3)
+
+    def run(*overrides: str) -> dict:
+        torch.manual_seed(0)
+        layout = build_layout(recipe.config("--training.local_batch_size=2", *overrides))
+        return train_steps(layout, recipe, keep_grads=True)
+
+    plain = run()
+    checkpointed = run("--activation_checkpoint.mode=selective",
+                       f"--activation_checkpoint.selective_ac_option={option}")
+    assert checkpointed["losses"] == plain["losses"]
+    assert all(torch.equal(checkpointed["grads"][k], g) for k, g in plain["grads"].items())
+
+
+def _tp_collectives(tmp_path: Path, *ac: str) -> dict[tuple[str, str], int]:
+    folder = tmp_path / "_".join(ac or ("none",)).replace("-", "")
+    subprocess.run(
+        [sys.executable, "train.py", "--dry_run", "--config", "llama3_debug.toml", "--dry_run.world_size", "4",
+         "--dry_run.device", "cpu", "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "64",
+         "--training.local_batch_size", "2", "--job.dump_folder", str(folder), *ac],
+        cwd=PROJECT_DIR, check=True, capture_output=True, timeout=600,
+    )
+    report = json.loads((folder / "dry_run.json").read_text())
+    return {(c["mesh_dim"], c["kind"]): c["count"] for c in report["collectives_per_step"]}
+
+
+@pytest.mark.slow
+def test_selective_op_ac_never_reruns_a_tensor_parallel_collective(tmp_path):
+    """dp2 x tp2 (the dry run's trace of one step, recomputation included): with the op-level policies the
+    tensor-parallel collectives run exactly as often as without checkpointing; full AC reruns them."""
+    plain = _tp_collectives(tmp_path)
+    tp = {key: n for key, n in plain.items() if key[0] == "tp"}
+    assert tp and all(n > 0 for n in tp.values())
+    for option in ("op", "op_all_matmuls"):
+        counts = _tp_collectives(tmp_path, "--activation_checkpoint.mode=selective",
+                                 f"--activation_checkpoint.selective_ac_option={option}")
+        assert {key: n for key, n in counts.items() if key[0] == "tp"} == tp, option
+    full = _tp_collectives(tmp_path, "--activation_checkpoint.mode=full")
+    assert sum(n for key, n in full.items() if key[0] == "tp") > sum(tp.values())
