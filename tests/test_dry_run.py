@@ -134,8 +134,21 @@ def test_compiled_loss_is_modelled_as_keeping_no_fp32_log_probs(tmp_path):
     cross-entropy keeps no fp32 [tokens, vocab] log-probabilities: the dry run's activations are exactly that
     much smaller than the eager-loss layout's (tokens x vocab x 4 bytes per rank)."""
     common = ("--config", "llama3_debug.toml", "--dry_run.world_size", "2", "--training.seq_len", "64",
-              "--training.local_batch_size", "2", "--dry_run.device", "cpu")
+              "--training.local_batch_size", "2", "--dry_run.device", "cpu", "--training.loss_chunks", "1")
     _, eager = dry_run(tmp_path / "eager", *common, "--compile.enable", "false")
     _, compiled = dry_run(tmp_path / "compiled", *common, "--compile.enable", "true")
     log_probs = 2 * 64 * LLAMA3_FLAVORS["debugmodel"].vocab_size * 4
     assert eager["memory_bytes"]["activations"] - compiled["memory_bytes"]["activations"] == log_probs
+
+
+def test_chunked_loss_is_modelled_as_keeping_the_logits_gradient_not_fp32_log_probs(tmp_path):
+    """The chunked cross-entropy (``[training] loss_chunks``) keeps, instead of the fp32 [tokens, vocab]
+    log-probabilities, the logits' gradient in their dtype (bf16 here): half the bytes."""
+    common = ("--config", "llama3_debug.toml", "--dry_run.world_size", "2", "--training.seq_len", "64",
+              "--training.local_batch_size", "2", "--dry_run.device", "cpu",
+              "--training.mixed_precision_param", "bfloat16")
+    _, plain = dry_run(tmp_path / "plain", *common, "--training.loss_chunks", "1")
+    _, chunked = dry_run(tmp_path / "chunked", *common, "--training.loss_chunks", "8")
+    tokens_x_vocab = 2 * 64 * LLAMA3_FLAVORS["debugmodel"].vocab_size
+    saved = plain["memory_bytes"]["activations"] - chunked["memory_bytes"]["activations"]
+    assert tokens_x_vocab * 2 <= saved <= tokens_x_vocab * 2 + 64  # fp32 minus bf16, to a few scalars

@@ -189,7 +189,6 @@ def test_steps_built_by_the_parity_helper_and_the_dry_run_use_the_trainers_autoc
     trainer's loss): the model's matmuls compute in bf16 although the weights are fp32."""
     from tests.parity import build_layout
     from titan_simple.planning import rank_trace
-    from titan_simple.train.loss import scaled_cross_entropy
 
     config = _config("--training.mixed_precision_param=bfloat16", "--model.flavor=debugmodel")
     layout = build_layout(config)
@@ -214,4 +213,4 @@ def test_steps_built_by_the_parity_helper_and_the_dry_run_use_the_trainers_autoc
     traced_context = step.autocast()
     assert isinstance(traced_context, torch.autocast) and traced_context.fast_dtype == torch.bfloat16
     logits, labels = torch.randn(1, 4, 8), torch.randint(0, 8, (1, 4))
-    assert torch.equal(step.loss(logits, labels, 0.5), scaled_cross_entropy(logits, labels, 0.5))
+    assert torch.equal(step.loss(logits, labels, 0.5), layout.plan.loss.scaled(logits, labels, 0.5))

@@ -83,13 +83,16 @@ def _trace_part(part: nn.Module, stage: int | None, run: RunPlan, tracer: StepTr
         if last:
             with loss_parallel_context(loss_parallel):
                 loss = train_step.loss(out, labels, 1 / (batch * training.seq_len))  # the trainer's loss, exactly
+                local_vocab = _local_vocab(out)
+                if plan is None:
+                    del out  # the local step drops the logits after the loss; the pipeline schedule keeps them
                 kept = tracer.live - before
-                if run.loss.compiled_with_model:
-                    # The trace runs the loss eagerly, which keeps the fp32 log-probabilities [tokens, vocab]
-                    # for backward; compiled with the model (train/loss.py ModelWithLoss) the fused
+                if run.loss.compiled_with_model and run.loss.chunks == 1:
+                    # The trace runs the plain loss eagerly, which keeps the fp32 log-probabilities [tokens,
+                    # vocab] for backward; compiled with the model (train/loss.py ModelWithLoss) the fused
                     # cross-entropy keeps the logits and one logsumexp per token instead. The peak is left as
-                    # traced (an upper bound).
-                    kept -= labels.numel() * _local_vocab(out) * 4
+                    # traced (an upper bound). The chunked loss keeps no fp32 copy either way.
+                    kept -= labels.numel() * local_vocab * 4
                 tracer.set_phase("backward")
                 loss.backward()
             boundary = 0

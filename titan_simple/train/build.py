@@ -25,7 +25,6 @@ from titan_simple.parallel.parallelize import parallelize_llama
 from titan_simple.parallel.pipeline import PipelineRun, build_pipeline
 from titan_simple.parallel.sharded_init import materialize_and_init
 from titan_simple.parallel.step_gather import StepGather
-from titan_simple.train.loss import scaled_cross_entropy
 from titan_simple.train.plan import RunPlan
 
 
@@ -70,7 +69,7 @@ def build_model_parts(plan: RunPlan, mesh: DeviceMesh | None, device: torch.devi
         # This rank's stages, each split off, parallelized and initialized like a whole model, and the schedule
         # that runs them with the training loss on the last stage.
         pipeline = build_pipeline(model, mesh, plan.pipeline, plan.parallel, device, seed=training.seed,
-                                  loss_fn=scaled_cross_entropy, materialize=materialize)
+                                  loss_fn=plan.loss.scaled, materialize=materialize)
         modules = pipeline.model_parts
     else:
         pipeline = None

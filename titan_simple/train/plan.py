@@ -33,6 +33,7 @@ from titan_simple.parallel.dims import ParallelDims, validate_parallelism
 from titan_simple.parallel.parallelize import ParallelPlan
 from titan_simple.parallel.pipeline import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, PipelinePlan, plan_pipeline
 from titan_simple.train.batching import accumulation_steps
+from titan_simple.train.loss import LossPlan
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +45,6 @@ class Precision:
     param_dtype: torch.dtype  # what the weights are gathered and computed in
     reduce_dtype: torch.dtype  # what gradients are reduced in across ranks
     autocast_dtype: torch.dtype | None  # set when nobody else casts the weights (no data parallel, bf16)
-
-
-@dataclass(frozen=True)
-class LossPlan:
-    parallel: bool  # the output is vocab-sharded (tensor parallel): the loss runs under loss_parallel_context
-    compiled_with_model: bool  # the training step compiles the model and the loss as one graph
 
 
 @dataclass(frozen=True)
@@ -194,7 +189,8 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     return RunPlan(
         config=config, dims=dims, device_type=device_type, model_args=model_args, pipeline=pipeline,
         accumulation_steps=accumulation, precision=precision, gather_mode=gather, parallel=parallel,
-        loss=LossPlan(parallel=loss_parallel, compiled_with_model=compile_mode == "whole_with_loss"),
+        loss=LossPlan(parallel=loss_parallel, compiled_with_model=compile_mode == "whole_with_loss",
+                      chunks=training.loss_chunks),
         data=data, validation=plan_validation(config, dims, pipeline), reasons=reasons,
     )
 

@@ -30,7 +30,7 @@ from titan_simple.parallel.clip_grad import clip_grad_norm_
 from titan_simple.parallel.fsdp2 import gradient_averaging_factor
 from titan_simple.parallel.tensor_parallel import loss_parallel_context
 from titan_simple.train.build import ModelParts
-from titan_simple.train.loss import ModelWithLoss, cross_entropy_sum, scaled_cross_entropy
+from titan_simple.train.loss import ModelWithLoss
 from titan_simple.train.plan import RunPlan
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -85,7 +85,7 @@ class TrainStep:
     def loss(self, output: torch.Tensor, labels: torch.Tensor, loss_scale: float) -> torch.Tensor:
         """The scaled training loss of one batch's output. With loss parallel, call it and run its backward
         inside ``loss_parallel_context(plan.loss.parallel)``."""
-        return scaled_cross_entropy(output, labels, loss_scale)
+        return self.plan.loss.scaled(output, labels, loss_scale)
 
     def loss_scale(self, global_tokens: int) -> float:
         return gradient_averaging_factor(self.parts.modules[0], self.dims.dp) / global_tokens
@@ -160,23 +160,28 @@ class LocalStep(TrainStep):
         super().__init__(*args, **kwargs)
         self.model_with_loss: ModelWithLoss | None = None
         if self.plan.loss.compiled_with_model:
-            self.model_with_loss = ModelWithLoss(self.parts.modules[0], self.autocast)
+            self.model_with_loss = ModelWithLoss(self.parts.modules[0], self.autocast, self.plan.loss)
             if self.plan.compile.enabled:  # the dry run traces the same step eagerly (plan.without_compile)
                 self.plan.compile.compile_whole(self.model_with_loss, plan_root="model")
 
     def _forward_backward(self, inputs, labels, loss_scale):
         self.hooks.phase("forward")
         if self.model_with_loss is None:
-            with self.autocast():
-                output = self.parts.modules[0](inputs)
+            loss_sum = self._eager_loss(inputs, labels)
+        else:  # never with loss parallel (plan.choose_compile_mode)
+            loss_sum = self.model_with_loss(inputs, labels)
         with loss_parallel_context(self.plan.loss.parallel):
-            if self.model_with_loss is None:
-                loss_sum = cross_entropy_sum(output, labels)
-            else:  # never with loss parallel (plan.choose_compile_mode): the context is a no-op here
-                loss_sum = self.model_with_loss(inputs, labels)
             self.hooks.phase("backward")
             (loss_sum * loss_scale).backward()
         return loss_sum.detach()
+
+    def _eager_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Forward and loss; the output (the [tokens, vocab] logits) is not referenced after this returns, so
+        it lives only as long as the loss keeps it for backward (the chunked loss keeps none of it)."""
+        with self.autocast():
+            output = self.parts.modules[0](inputs)
+        with loss_parallel_context(self.plan.loss.parallel):
+            return self.plan.loss.sum(output, labels)
 
 
 class PipelineStep(TrainStep):
