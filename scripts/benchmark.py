@@ -165,6 +165,22 @@ def gather_configs() -> list[BenchConfig]:
     ]
 
 
+def memory_configs() -> list[BenchConfig]:
+    """What activation checkpointing and the loss keep (issue 19), with selective AC (the ``peer`` workload):
+    the old default (every matmul output saved, the plain loss), TorchTitan's policy (every second matmul), and
+    that with the chunked loss (today's default). Eager and compiled; not part of ``all``."""
+    simple = ("--parallelism.fsdp_implementation=simple",)
+    variants = (("all_matmuls_plain", "save every matmul, plain loss",
+                 ("--activation_checkpoint.selective_ac_option=op_all_matmuls", "--training.loss_chunks=1")),
+                ("op_plain", "every second matmul, plain loss",
+                 ("--activation_checkpoint.selective_ac_option=op", "--training.loss_chunks=1")),
+                ("op_chunked", "every second matmul, chunked loss",
+                 ("--activation_checkpoint.selective_ac_option=op", "--training.loss_chunks=8")))
+    return [BenchConfig(f"{mode}_{name}", f"SimpleFSDP {mode}, {label}",
+                        (*simple, f"--compile.enable={str(mode == 'compiled').lower()}", *overrides))
+            for mode in ("eager", "compiled") for name, label, overrides in variants]
+
+
 @dataclasses.dataclass(frozen=True)
 class Run:
     repeat: int
@@ -659,7 +675,7 @@ def driver_main(argv: list[str]) -> None:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
 
     all_configs = config_matrix()
-    known = [*all_configs, *gather_configs()]
+    known = [*all_configs, *gather_configs(), *memory_configs()]
     if args.list:
         for c in known:
             print(f"{c.name:<22s} {c.label:<42s} {' '.join(c.overrides)}")

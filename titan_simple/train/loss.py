@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -95,8 +95,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         # Scaled in place: a second [tokens, vocab] buffer would undo half of what chunking saves. The training
         # step runs this backward once (a second backward would fail autograd's saved-tensor version check).
         (grad,) = ctx.saved_tensors
-        if isinstance(grad, DTensor):  # eager only (tensor parallel): a DTensor takes a Python scalar
-            return grad.mul_(grad_total.item()), None, None
+        if isinstance(grad, DTensor):  # the same scale on every rank: a replicated DTensor scalar
+            mesh = grad.device_mesh
+            grad_total = DTensor.from_local(grad_total, mesh, [Replicate()] * mesh.ndim, run_check=False)
         return grad.mul_(grad_total), None, None
 
 
