@@ -7,21 +7,44 @@ a ``FileStore`` in a fresh temporary directory, so there is no port to race for)
 must be picklable. An exception in any rank is re-raised in the parent with the child's traceback; a rank
 that dies without reporting (segfault, abort) fails the call with its exit code. Every rank ends with
 ``dist.barrier(); dist.destroy_process_group()``: gloo occasionally aborts at interpreter exit otherwise.
+
+In-process helpers: ``single_rank_process_group()`` (a gloo default group of one rank for the block) and
+``free_port()`` (a loopback port nobody listens on, for servers and rendezvous the tests start).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import queue
+import socket
 import tempfile
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (bound once and released, so another process may still take it first)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def single_rank_process_group() -> Iterator[None]:
+    """In this process, a gloo default process group of one rank (rank 0, in-memory store) for the block;
+    destroyed on exit, also when the block raises."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 class RankFailed(RuntimeError):

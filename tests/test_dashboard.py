@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.distributed_utils import free_port
 from titan_simple.config import JobConfig, load_job_config
 from titan_simple.train import metrics as m
 from titan_simple.train.trainer import Trainer
@@ -40,12 +40,6 @@ def finished_run(tmp_path_factory) -> tuple[Path, list[dict]]:
     torch.set_num_threads(threads)
     records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
     return dump, records
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def get_json(url: str) -> object:

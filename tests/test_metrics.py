@@ -15,6 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from tests.distributed_utils import single_rank_process_group
 from titan_simple.train import metrics as metrics_module
 from titan_simple.train.metrics import (
     AVG_LOSS,
@@ -199,13 +200,10 @@ def test_loss_reduction_without_a_process_group_is_the_local_value():
 
 
 @pytest.fixture
-def gloo_world_of_one(tmp_path):
+def gloo_world_of_one():
     assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
+    with single_rank_process_group():
         yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_loss_reduction_in_a_group_of_one_and_of_a_dtensor(gloo_world_of_one):

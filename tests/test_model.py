@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.distributed_utils import single_rank_process_group
 from titan_simple.errors import ConfigError
 from titan_simple.models.llama3 import (
     LLAMA3_FLAVORS,
@@ -227,8 +228,7 @@ def test_init_weights_works_on_dtensor_parameters():
 
     if dist.is_initialized():
         pytest.skip("a process group is already initialized")
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
+    with single_rank_process_group():
         mesh = init_device_mesh("cpu", (1,))
         with torch.device("meta"):
             model = Transformer(TINY)
@@ -243,8 +243,6 @@ def test_init_weights_works_on_dtensor_parameters():
         assert isinstance(wq, DTensor)
         assert torch.isfinite(wq.full_tensor()).all() and wq.full_tensor().std().item() > 0
         assert count_parameters(model) == count_parameters(Transformer(TINY))
-    finally:
-        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------- RoPE

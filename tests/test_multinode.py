@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.distributed_utils import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 # HSDP over 4 ranks: 2 replicas x 2 shards. Tiny so 2 x 4 processes fit on a shared 2-core machine.
@@ -25,12 +26,6 @@ TIMEOUT_S = 300
 
 def launcher_env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun(*launcher_args: str) -> list[str]:

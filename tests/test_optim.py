@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from tests.distributed_utils import single_rank_process_group
 from titan_simple.errors import ConfigError
 from titan_simple.train.optim import WarmupStableDecay, build_lr_scheduler, build_optimizer
 
@@ -207,13 +208,10 @@ def test_optimizer_errors_name_the_key(overrides, message):
 
 
 @pytest.fixture
-def gloo_world_of_one(tmp_path):
+def gloo_world_of_one():
     assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
+    with single_rank_process_group():
         yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def shard_parameters(model: nn.Module, mesh) -> nn.Module:

@@ -35,6 +35,7 @@ import torch
 from datasets.distributed import split_dataset_by_node
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titan_simple.data.documents import open_documents, unreadable_message
 from titan_simple.data.global_order import RowStreams, owned_rows, stream_documents
 from titan_simple.data.tokenizer import Tokenizer
 from titan_simple.errors import ConfigError, DataError, UserError
@@ -155,19 +156,6 @@ def _has_documents(path: Path, builder: str) -> bool:
     return not empty
 
 
-def _require_text_column(documents: datasets.IterableDataset, where: str) -> datasets.IterableDataset:
-    columns = documents.column_names
-    if columns is None:  # json: the schema is only known once a row is read
-        first_row = next(iter(documents), None)
-        columns = list(first_row) if first_row is not None else []
-    if "text" not in columns:
-        raise ConfigError(
-            f"{where} has no 'text' column (found: {', '.join(columns) or 'none'}); "
-            "store each document's text in a column named 'text'"
-        )
-    return documents.select_columns(["text"])
-
-
 def resolve_files(dataset: str, dataset_path: str | None, split: str) -> tuple[str, list[Path], str]:
     """``(reader, files, description)`` of a dataset setting. The built-in name with a ``dataset_path`` that is
     not a folder of its texts reads the path as local files, the format taken from the extensions."""
@@ -199,37 +187,6 @@ def resolve_files(dataset: str, dataset_path: str | None, split: str) -> tuple[s
     raise ConfigError(
         f"unknown [training] dataset '{dataset}'; use one of {', '.join(BUILTIN_DATASETS + LOCAL_FORMATS)}"
     )
-
-
-def open_documents(builder: str, files: list[Path], where: str) -> datasets.IterableDataset:
-    """The documents of ``files`` in that order, streamed, as one ``text`` column. Local ``.txt`` files are read
-    whole: one file is one document (BOS ... EOS), not one line; for one document per line use ``.jsonl``."""
-    documents = _stream(builder, files)
-    try:
-        return _require_text_column(documents, where)
-    except UserError:
-        raise
-    except Exception as error:  # noqa: BLE001 -- the first file does not parse
-        raise ConfigError(unreadable_message(builder, files[:1], error)) from None
-
-
-def _stream(builder: str, files: list[Path]) -> datasets.IterableDataset:
-    options: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
-    return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True, **options)
-
-
-def unreadable_message(builder: str, files: list[Path], error: Exception) -> str:
-    """One line naming the first of ``files`` that fails to parse (each is read alone to find it; only on this
-    error path), with the reader's message."""
-    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    for path in files:
-        try:
-            for _ in _stream(builder, [path]):
-                pass
-        except Exception as file_error:  # noqa: BLE001
-            detail = str(file_error).strip().splitlines()[0] if str(file_error).strip() else reason
-            return f"data file {path} cannot be read as {builder} ({detail}); fix or remove it"
-    return f"data: a {builder} file cannot be read ({reason}); fix or remove it"
 
 
 def load_documents(

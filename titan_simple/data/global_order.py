@@ -32,6 +32,7 @@ import datasets
 import torch
 from datasets.distributed import split_dataset_by_node
 
+from titan_simple.data.documents import open_documents  # one reader for both loaders
 from titan_simple.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -49,8 +50,6 @@ def stream_documents(builder: str, files: Sequence[Path], where: str, seed: int 
                      ) -> Callable[[int], datasets.IterableDataset]:
     """``epoch -> the documents of stream row``: every ``rows``-th document from ``row`` of that epoch's file
     order (whole files per stream when the file count is a multiple of ``rows``: Hugging Face's split)."""
-    from titan_simple.data.datasets import open_documents  # one reader for both loaders
-
     def documents(epoch: int) -> datasets.IterableDataset:
         every = open_documents(builder, file_order(files, seed, epoch), where)
         return split_dataset_by_node(every, rank=row, world_size=rows)

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 import torch.distributed as dist
 from torch import fx
 
+from titan_simple.parallel import timing
 from titan_simple.parallel.comm_plan import COLLECTIVE_KINDS, collective_bytes, meta_value
 from titan_simple.parallel.torch_private import is_compute_node, runtime_estimation, tree_map
-from titan_simple.planning import measuring
 
 
 class CpuRuntimeEstimator:
@@ -46,17 +46,17 @@ class CpuRuntimeEstimator:
         pays for barriers and medians of single calls."""
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         sizes = (1 << 10, 1 << 20)  # elements (fp32): 4 KiB and 4 MiB per rank
-        times = [measuring.all_gather_seconds(n, 5, group) * 1e3 if world > 1 else 0.0 for n in sizes]
+        times = [timing.all_gather_seconds(n, 5, group) * 1e3 if world > 1 else 0.0 for n in sizes]
         matmul_n, copy_numel = 256, 1 << 20
-        mm_ms = measuring.matmul_seconds(matmul_n, 10) * 1e3
-        copy_ms = measuring.copy_seconds(copy_numel, 5, warmup=False) * 1e3
+        mm_ms = timing.matmul_seconds(matmul_n, 10) * 1e3
+        copy_ms = timing.copy_seconds(copy_numel, 5, warmup=False) * 1e3
         # Slowest rank wins: max of times (so min of rates).
-        t_small, t_big, mm_ms, copy_ms = measuring.max_over_ranks([*times, mm_ms, copy_ms], group)
+        t_small, t_big, mm_ms, copy_ms = timing.max_over_ranks([*times, mm_ms, copy_ms], group)
         bytes_small, bytes_big = sizes[0] * 4 * world, sizes[1] * 4 * world
         bytes_per_ms = (bytes_big - bytes_small) / max(t_big - t_small, 1e-6)
         latency_ms = max(t_small - bytes_small / bytes_per_ms, 1e-3)
-        flops_per_ms = measuring.matmul_flops(matmul_n) / max(mm_ms, 1e-6)
-        mem_bytes_per_ms = measuring.copy_bytes(copy_numel) / max(copy_ms, 1e-6)
+        flops_per_ms = timing.matmul_flops(matmul_n) / max(mm_ms, 1e-6)
+        mem_bytes_per_ms = timing.copy_bytes(copy_numel) / max(copy_ms, 1e-6)
         return cls(latency_ms, bytes_per_ms, flops_per_ms, mem_bytes_per_ms)
 
     def collective_ms(self, nbytes: int) -> float:

@@ -2,8 +2,9 @@
 
 ``CheckpointManager`` saves and restores everything a run needs to continue; ``TrainProgress`` is what the
 trainer counts besides the stateful objects. The folder layout (``step-N`` / ``step-N.partial`` and its
-``complete.json``) and the one-process readers (``load_model_weights``, ``export_hf``) live in
-``checkpoint_files.py`` (re-exported here for the code that imports them from this module).
+``complete.json``), rank 0's writing of it (commit, prune) and the one-process readers (``load_model_weights``,
+``export_hf``) live in ``checkpoint_files.py`` (re-exported here for the code that imports them from this
+module); how a saved LR schedule is resumed, in ``optim.py`` (``load_lr_scheduler_position``).
 
 Every rank writes its own shards into ``step-N.partial``; only after DCP has gathered every rank's result
 (the coordinator writes ``.metadata`` last) does rank 0 write ``complete.json`` and rename the folder to
@@ -28,11 +29,8 @@ per rank (``_fast_forward_data``). RNG states are restored only on the same worl
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import pickle
-import shutil
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -61,18 +59,23 @@ from titan_simple.train.checkpoint_files import (
     MARKER,
     PARTIAL_SUFFIX,
     check_model_shapes,
+    commit_step,
     complete_steps,
     copy_hf_weights,
     export_hf,
     find_checkpoint,
     first_failure,
+    fresh_partial_folder,
     load_model_weights,
     model_args_of,
+    partial_folder,
+    prune_steps,
     read_marker,
     read_metadata,
     single_process_is_fine,
     step_folder,
 )
+from titan_simple.train.optim import load_lr_scheduler_position
 
 # The file helpers are re-exported: generate.py, scripts/export_hf.py and the tests import them from here.
 __all__ = [
@@ -142,7 +145,6 @@ def _merged_view(model_parts: list[nn.Module]) -> nn.Module:
 @dataclass
 class _PendingSave:
     future: Future
-    partial: Path
     step: int
     model_only: bool
     started: float
@@ -287,7 +289,7 @@ class CheckpointManager:
             if "optimizer" in state:
                 set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=_OPTIMIZER_OPTIONS)
         if "lr_scheduler" in state:
-            self._load_lr_scheduler(_unpack(state["lr_scheduler"]))
+            load_lr_scheduler_position(self.lr_scheduler, self.optimizer, _unpack(state["lr_scheduler"]))
         if "dataloader" in state and rows is not None:
             saved_rows = state["dataloader"]
             rows.load_stream_states({r: _unpack(saved_rows[_row_key(r, rows.total_rows)]) for r in rows.streams})
@@ -309,20 +311,6 @@ class CheckpointManager:
         logger.info("checkpoint: loaded %s from %s (step %d, %s) in %.1f s", ", ".join(sorted(state)), path,
                     progress.step, f"{progress.tokens_seen:,} tokens", time.perf_counter() - started)
         return progress
-
-    def _load_lr_scheduler(self, saved: dict[str, Any]) -> None:
-        """Restore the schedule's position but keep the config's shape (warmup, decay, total steps), so a run
-        resumed with more ``[training] steps`` follows its new schedule; unchanged, the values are identical."""
-        saved_shapes = saved.get("lr_lambdas") or []
-        self.lr_scheduler.load_state_dict({**saved, "lr_lambdas": [None] * len(saved_shapes)})
-        for group, base_lr, schedule, saved_shape in zip(
-            self.optimizer.param_groups, self.lr_scheduler.base_lrs, self.lr_scheduler.lr_lambdas,
-            saved_shapes, strict=False,
-        ):
-            if saved_shape is not None and saved_shape != vars(schedule):
-                logger.warning("checkpoint: the LR schedule changed since the save (%s -> %s); following the new "
-                               "one from step %d", saved_shape, vars(schedule), self.lr_scheduler.last_epoch + 1)
-            group["lr"] = base_lr * schedule(self.lr_scheduler.last_epoch)  # what LambdaLR.step() computes
 
     def _dcp_load(self, state: dict[str, Any], path: Path) -> None:
         try:
@@ -404,14 +392,12 @@ class CheckpointManager:
 
     def _write(self, progress: TrainProgress, *, model_only: bool, asynchronous: bool) -> None:
         step = progress.step
-        partial = self.folder / f"step-{step}{PARTIAL_SUFFIX}"
+        partial = partial_folder(self.folder, step)
         started = time.perf_counter()
         error = None
         if self.rank == 0:  # a stale folder of a crashed save of this step goes first
             try:
-                if partial.exists():
-                    shutil.rmtree(partial)
-                partial.mkdir(parents=True)
+                fresh_partial_folder(self.folder, step)
             except OSError as e:
                 error = e
         if not self._everyone_ok(error is None):
@@ -423,14 +409,14 @@ class CheckpointManager:
                 # next optimizer step can change the parameters while the copy is written.
                 with single_process_is_fine():
                     future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._async_group)
-                self._pending = _PendingSave(future, partial, step, model_only, started)
+                self._pending = _PendingSave(future, step, model_only, started)
                 logger.info("checkpoint: saving step %d in the background (staged in %.2f s)", step,
                             time.perf_counter() - started)
             else:
                 with single_process_is_fine():
                     dcp.save(state, checkpoint_id=str(partial), no_dist=not dist.is_initialized())
                 if self.rank == 0:
-                    self._commit(partial, step, model_only, started)
+                    self._commit(step, model_only, started)
                 if dist.is_initialized():
                     dist.barrier()  # the step folder exists for everyone once save() returns
         except (CheckpointException, OSError) as e:
@@ -451,40 +437,17 @@ class CheckpointManager:
         return CheckpointError(f"checkpoint: saving step {step} to {self.folder} failed ({cause}); older checkpoints "
                            f"are untouched, {previous}. Free disk space or fix permissions, then resume.")
 
-    def _commit(self, partial: Path, step: int, model_only: bool, started: float) -> None:
+    def _commit(self, step: int, model_only: bool, started: float) -> None:
         """Rank 0, once every rank's shards and DCP's .metadata are written: mark complete, rename, prune."""
         marker = {
             "step": step, "model_only": model_only, "world_size": self.world_size, "dp_size": self.dp_size,
             "model_args": dataclasses.asdict(self.model_args), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
-        with open(partial / MARKER, "w") as f:
-            json.dump(marker, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        final = step_folder(self.folder, step)
-        if final.exists():  # e.g. a run resumed from an earlier step reaches this step again
-            replaced = final.with_name(final.name + ".replaced")
-            shutil.rmtree(replaced, ignore_errors=True)
-            final.rename(replaced)
-            partial.rename(final)
-            shutil.rmtree(replaced)
-            logger.warning("checkpoint: replaced the existing %s", final)
-        else:
-            partial.rename(final)
+        final = commit_step(self.folder, step, marker)
         size = sum(f.stat().st_size for f in final.iterdir() if f.is_file())
         logger.info("checkpoint: saved step %d%s to %s (%.1f MB) in %.1f s", step,
                     " (model only)" if model_only else "", final, size / 1e6, time.perf_counter() - started)
-        self._prune()
-
-    def _prune(self) -> None:
-        """Keep the newest ``keep_latest_k`` complete checkpoints (0 = all); the newest always survives."""
-        keep_latest_k = self.config.keep_latest_k
-        steps = complete_steps(self.folder)
-        if keep_latest_k <= 0 or len(steps) <= keep_latest_k:
-            return
-        for step in steps[:-keep_latest_k]:
-            shutil.rmtree(step_folder(self.folder, step), ignore_errors=True)
-            logger.info("checkpoint: deleted step %d (keep_latest_k = %d)", step, keep_latest_k)
+        prune_steps(self.folder, self.config.keep_latest_k)
 
     def _commit_if_done(self) -> None:
         """Rank 0 commits a finished background save as soon as it sees it; failures wait for the next
@@ -493,7 +456,7 @@ class CheckpointManager:
         if pending is None or not pending.future.done() or pending.future.exception() is not None:
             return
         if self.rank == 0:
-            self._commit(pending.partial, pending.step, pending.model_only, pending.started)
+            self._commit(pending.step, pending.model_only, pending.started)
         self._pending = None
 
     def _wait_for_pending(self) -> None:

@@ -9,7 +9,8 @@ A ``step-N`` folder with ``complete.json`` (``MARKER``) is whole, whatever was k
 (``checkpoint.CheckpointManager``) fills ``step-N.partial`` and renames it only after every rank's shards and
 DCP's ``.metadata`` are on disk. This module knows that layout -- which steps are complete
 (``complete_steps``, ``find_checkpoint``), the marker (``read_marker``, ``model_args_of``), the DCP metadata
-and its check against a model's shapes -- and uses it for the one-process consumers that need no optimizer,
+and its check against a model's shapes, and rank 0's side of a save (``fresh_partial_folder``, ``commit_step``,
+``prune_steps``; the manager decides when) -- and uses it for the one-process consumers that need no optimizer,
 data loader or process group: ``load_model_weights`` (generation, evaluation), ``export_hf`` (a step folder
 to a Hugging Face folder) and ``copy_hf_weights`` (Hugging Face weights into a plain or sharded model). It is
 apart from ``checkpoint.py`` so that those consumers read a checkpoint without the manager's save / resume
@@ -21,7 +22,9 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import re
+import shutil
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,6 +85,52 @@ def find_checkpoint(folder: str | Path, step: int = -1) -> Path | None:
         raise ConfigError(f"[checkpoint] load_step = {step}: no complete checkpoint {step_folder(folder, step)} "
                           f"(complete steps in {folder}: {available}).")
     return step_folder(folder, step)
+
+
+def partial_folder(folder: str | Path, step: int) -> Path:
+    """Where a save of ``step`` is written until it is complete."""
+    return Path(folder) / f"step-{step}{PARTIAL_SUFFIX}"
+
+
+def fresh_partial_folder(folder: str | Path, step: int) -> Path:
+    """An empty ``step-N.partial`` for a new save of ``step``; a stale one (a crashed save of this step) goes
+    first. Rank 0, before any rank writes."""
+    partial = partial_folder(folder, step)
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    return partial
+
+
+def commit_step(folder: str | Path, step: int, marker: dict[str, Any]) -> Path:
+    """Mark ``step-N.partial`` complete (``complete.json``, synced to disk) and rename it to ``step-N``, replacing
+    an existing one; returns the step folder. Rank 0, once every rank's shards and DCP's .metadata are written."""
+    partial = partial_folder(folder, step)
+    with open(partial / MARKER, "w") as f:
+        json.dump(marker, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    final = step_folder(folder, step)
+    if final.exists():  # e.g. a run resumed from an earlier step reaches this step again
+        replaced = final.with_name(final.name + ".replaced")
+        shutil.rmtree(replaced, ignore_errors=True)
+        final.rename(replaced)
+        partial.rename(final)
+        shutil.rmtree(replaced)
+        logger.warning("checkpoint: replaced the existing %s", final)
+    else:
+        partial.rename(final)
+    return final
+
+
+def prune_steps(folder: str | Path, keep_latest_k: int) -> None:
+    """Keep the newest ``keep_latest_k`` complete checkpoints (0 = all); the newest always survives."""
+    steps = complete_steps(folder)
+    if keep_latest_k <= 0 or len(steps) <= keep_latest_k:
+        return
+    for step in steps[:-keep_latest_k]:
+        shutil.rmtree(step_folder(folder, step), ignore_errors=True)
+        logger.info("checkpoint: deleted step %d (keep_latest_k = %d)", step, keep_latest_k)
 
 
 def read_marker(path: str | Path) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -182,3 +182,19 @@ def lr_scheduler_from_config(config: JobConfig, optimizer: torch.optim.Optimizer
     return build_lr_scheduler(optimizer, steps=config.training.steps, warmup_steps=schedule.warmup_steps,
                               decay_ratio=schedule.decay_ratio, decay_type=schedule.decay_type,
                               min_lr_factor=schedule.min_lr_factor)
+
+
+def load_lr_scheduler_position(lr_scheduler: LambdaLR, optimizer: torch.optim.Optimizer, saved: dict[str, Any]
+                               ) -> None:
+    """Restore a saved ``LambdaLR``'s position (``saved``: its ``state_dict()``) but keep this run's schedule shape
+    (warmup, decay, total steps), so a run resumed with more ``[training] steps`` follows its new schedule;
+    unchanged, the values are identical."""
+    saved_shapes = saved.get("lr_lambdas") or []
+    lr_scheduler.load_state_dict({**saved, "lr_lambdas": [None] * len(saved_shapes)})
+    for group, base_lr, schedule, saved_shape in zip(
+        optimizer.param_groups, lr_scheduler.base_lrs, lr_scheduler.lr_lambdas, saved_shapes, strict=False,
+    ):
+        if saved_shape is not None and saved_shape != vars(schedule):
+            logger.warning("checkpoint: the LR schedule changed since the save (%s -> %s); following the new "
+                           "one from step %d", saved_shape, vars(schedule), lr_scheduler.last_epoch + 1)
+        group["lr"] = base_lr * schedule(lr_scheduler.last_epoch)  # what LambdaLR.step() computes
