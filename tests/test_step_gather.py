@@ -19,6 +19,7 @@ from tests.distributed_utils import run_on_ranks
 from tests.parity import COMPILED_RTOL, EAGER_RTOL, Recipe, build_layout, max_rel_diff, train_reference
 from titan_simple.config import load_job_config
 from titan_simple.errors import ConfigError
+from titan_simple.parallel import step_gather
 from titan_simple.parallel.dims import ParallelDims
 from titan_simple.parallel.simple_fsdp import MixedPrecisionPolicy, data_parallel
 from titan_simple.parallel.step_gather import StepGather, _chunk_rows
@@ -28,6 +29,7 @@ STEPS = 10
 ACCUMULATION = Recipe(global_batch=8, steps=STEPS)  # 2 dp ranks x 4 accumulation steps of 1 sequence
 PIPELINE = Recipe(global_batch=16, steps=STEPS)  # 2 dp ranks x 8 pipeline microbatches of 1 sequence
 DEBUG_TENSORS = 57  # parameter tensors of the debug model: 6 blocks x 9, embedding, norm, output
+WAITS_BEFORE_BLOCK = [1, 2, 3, 4, 5, 6]  # the embedding, then one more block each
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -36,13 +38,37 @@ class CollectiveCounter(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.counts: dict[str, int] = {}
+        self.events: list[tuple[str, int]] = []  # in order: collectives started, and _record_order's events
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "_c10d_functional" and func.__name__.split(".")[0] in (
+        name = func.__name__.split(".")[0]
+        if func.namespace == "_c10d_functional" and name in (
                 "all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce"):
-            name = func.__name__.split(".")[0]
             self.counts[name] = self.counts.get(name, 0) + 1
+            self.events.append((name, -1))
         return func(*args, **(kwargs or {}))
+
+
+def _record_order(model, events: list) -> None:
+    """Append ("forward", i) when block i's forward starts, ("backward", i) when its backward starts, and
+    ("unpack", bucket) where StepGather waits for a bucket's all-gather and makes its held weights."""
+    original = step_gather._HeldBucket._unpack
+
+    def unpack(self):
+        events.append(("unpack", self.index))
+        return original(self)
+
+    step_gather._HeldBucket._unpack = unpack  # in this spawned rank process only
+    for i, block in enumerate(model.layers.values()):
+        def forward_pre(_module, _args, i=i):
+            events.append(("forward", i))
+
+        def forward(_module, _args, output, i=i):
+            if output.requires_grad:
+                output.register_hook(lambda _grad: events.append(("backward", i)))
+
+        block.register_forward_pre_hook(forward_pre)
+        block.register_forward_hook(forward)
 
 
 def _train(config, world_size: int, recipe: Recipe, batches_per_step: int, count: bool) -> dict:
@@ -52,11 +78,16 @@ def _train(config, world_size: int, recipe: Recipe, batches_per_step: int, count
     rows = recipe.global_batch // layout.dp_size
     mine = slice(layout.dp_rank * rows, (layout.dp_rank + 1) * rows)
     out: dict = {"losses": []}
+    events: list = []
+    if count and layout.parts.pipeline is None:
+        _record_order(layout.parts.model, events)
     for step in range(recipe.steps):
         inputs, labels = recipe.batch(step)
         inputs, labels = inputs[mine], labels[mine]
         batches = [(inputs[i::batches_per_step], labels[i::batches_per_step]) for i in range(batches_per_step)]
         counter = CollectiveCounter()
+        events.clear()
+        counter.events = events
         if count:
             with counter:
                 result = layout.step(batches)
@@ -66,6 +97,7 @@ def _train(config, world_size: int, recipe: Recipe, batches_per_step: int, count
         dist.all_reduce(loss_sum, group=layout.mesh["dp_shard"].get_group())
         out["losses"].append(loss_sum.item() / result.global_tokens)
         out["collectives"] = counter.counts
+        out["events"] = list(events)  # the last step's
     gather = layout.parts.step_gather
     out["buckets"] = None if gather is None else len(gather.buckets)
     out["stages"] = [s.stage_index for s in layout.parts.pipeline.stages] if layout.parts.pipeline else None
@@ -114,6 +146,28 @@ def test_accumulation_gathers_once_per_step(accumulation):
         assert max_rel_diff(rank["once_per_step"]["losses"], reference) <= EAGER_RTOL
         assert max_rel_diff(rank["once_per_step"]["losses"], rank["per_microbatch"]["losses"]) <= EAGER_RTOL
         assert max_rel_diff(rank["once_per_step/compiled"]["losses"], reference) <= COMPILED_RTOL
+
+
+@pytest.mark.slow
+def test_once_per_step_gathers_and_reduces_overlap_the_first_and_last_microbatch(accumulation):
+    """The step's edges overlap compute. All 9 all-gathers start before the first block runs, but each bucket
+    is waited for where its weights are first read: block i's gather is waited for after block i-1 has started.
+    In the last microbatch's backward, a bucket's reduce-scatter starts as soon as its gradients are complete,
+    while the earlier blocks' backward still runs; only the first blocks' and the embedding's come after."""
+    for rank in accumulation:
+        events = rank["once_per_step"]["events"]
+        first_forward = events.index(("forward", 0))
+        assert [e for e in events[:first_forward] if e[0] == "all_gather_into_tensor"] == [
+            ("all_gather_into_tensor", -1)] * 9
+        waits_before = [sum(1 for e in events[:events.index(("forward", i))] if e[0] == "unpack") for i in range(6)]
+        assert waits_before == WAITS_BEFORE_BLOCK, waits_before
+        last_backward = [i for i, e in enumerate(events) if e == ("backward", 5)][-1]  # the last microbatch's
+        reduce = ("reduce_scatter_tensor", -1)
+        # The output's and the norm's reduce-scatters start before block 5's backward; block k's as block k-1's
+        # backward starts; block 0's and the embedding's last.
+        assert events[last_backward - 2: last_backward] == [reduce, reduce]
+        expected = [e for k in range(5, -1, -1) for e in (("backward", k), reduce)] + [reduce]
+        assert events[last_backward:] == expected, events[last_backward:]
 
 
 @pytest.mark.slow

@@ -32,8 +32,9 @@ under tensor parallel); without pipeline parallel the whole model, which is what
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -104,19 +105,34 @@ class StepGather:
     """Hold the unsharded weights of ``parts`` (SimpleFSDP-wrapped modules) for a whole step; see the module
     docstring. ``gather()`` and ``reduce()`` are collectives: every rank of the dp mesh calls them."""
 
-    def __init__(self, parts: Iterable[nn.Module]) -> None:
+    def __init__(self, parts: Iterable[nn.Module], lazy: bool = True) -> None:
+        """``lazy``: wait for each bucket's gather where its weights are first read (eager forwards). A compiled
+        forward must find the held weights ready (they are its graph's inputs): ``lazy=False`` waits for them
+        all in ``gather()``."""
+        self.lazy = lazy
         self.buckets: list[_Bucket] = []
         self._groups: list[tuple] = []  # per bucket: (dp mesh, shard dim, n, coordinate)
         seen: set[int] = set()
         for part in parts:
-            regions = default_reshard_modules(part)
+            # In the order the forward first reads them (embedding, blocks, norm, output): the gathers complete
+            # in the order they start, so the first forward waits only for what it reads first.
+            position = {id(m): i for i, m in enumerate(part.modules())}
+            regions = sorted(default_reshard_modules(part), key=lambda region: position[id(region)])
             owned = {id(m) for region in regions for m in region.modules()}
             leftovers = [m for m in part.modules() if id(m) not in owned]
             for modules in [list(region.modules()) for region in regions] + [leftovers]:
                 self._add_bucket(modules, seen)
         self._held: list[_Entry] = []
-        self._accumulated: dict[int, torch.Tensor] = {}
+        self._state: list[_HeldBucket] = []  # this step's buckets, in gather order
+        self._accumulated: dict[int, torch.Tensor] = {}  # reduce-dtype sums of bf16 microbatch gradients
+        self._passes: dict[int, int] = {}  # backward passes that reached each held weight this step
+        self._expected: int | None = None
+        self._pending: tuple | None = None  # the reduce-scatter in flight: (owners, local grads, used)
         self._hooks: list = []
+        # phase_scope(name): a context around the once-per-step work that runs inside a microbatch (a bucket's
+        # unpacking, "gather"; a reduce-scatter started in backward, "reduce"): the dry run's tracer counts it
+        # once per step, not once per microbatch.
+        self.phase_scope: Callable[[str], contextlib.AbstractContextManager] = lambda name: contextlib.nullcontext()
 
     def _add_bucket(self, modules: list[nn.Module], seen: set[int]) -> None:
         entries, group = [], None
@@ -155,17 +171,23 @@ class StepGather:
     # ------------------------------------------------------------------------------------------ gather
 
     @torch.no_grad()
-    def gather(self) -> None:
-        """One all-gather per bucket; every parametrized module then computes with the held weights."""
+    def gather(self, microbatches: int | None = None) -> None:
+        """Start one all-gather per bucket, all at once, in the order the forward reads them; every parametrized
+        module then computes with the held weights. ``lazy``: a bucket's gather is waited for where its weights
+        are first read (``_HeldBucket``), so the later buckets' gathers run while the first blocks compute.
+
+        ``microbatches``: how many backward passes the step runs (accumulation x pipeline microbatches). Given,
+        each bucket's reduce-scatter starts as soon as the last of them has completed the bucket's gradients,
+        while the backward of the earlier layers goes on; ``reduce()`` then finishes what is left."""
         if self._held:
             raise RuntimeError("StepGather.gather: already holding the weights; call reduce() first")
-        held: dict[int, torch.Tensor] = {}
-        for bucket, (mesh, shard_dim, n, _) in zip(self.buckets, self._groups, strict=True):
+        self._expected = microbatches
+        for index, (bucket, (mesh, shard_dim, n, _)) in enumerate(zip(self.buckets, self._groups, strict=True)):
             owners = [e for e in bucket.entries if e.width != -1]
             dtype = owners[0].spec.mp_policy.param_dtype or owners[0].param.dtype
             locals_ = [e.param.to_local().to(dtype) for e in owners]
             if shard_dim is None:  # replicate: the local tensor is the whole weight
-                fulls = locals_
+                pending = locals_
             else:
                 flat = torch.cat([F.pad(t.flatten(), (0, e.width - t.numel()))
                                   for t, e in zip(locals_, owners, strict=True)])
@@ -173,88 +195,136 @@ class StepGather:
                 sharded = list(placements)
                 sharded[shard_dim] = Shard(0)
                 gathered = DTensor.from_local(flat, mesh, sharded, run_check=False)
-                rows = gathered.redistribute(mesh, placements).to_local().view(n, bucket.numel)
-                fulls = []
-                for e in owners:
-                    width = e.row_numel
-                    pieces = [rows[r, e.offset: e.offset + e.rows[r] * width] for r in range(n)]
-                    fulls.append(torch.cat(pieces).view(e.shape))
-            for e, full in zip(owners, fulls, strict=True):
-                leaf = full.detach().requires_grad_(e.param.requires_grad)
-                held[id(e.param)] = leaf
-                reduce_dtype = e.spec.mp_policy.reduce_dtype or e.param.dtype
-                if leaf.requires_grad and reduce_dtype != leaf.dtype:
-                    self._hooks.append(leaf.register_post_accumulate_grad_hook(self._accumulate(reduce_dtype)))
+                pending = gathered.redistribute(mesh, placements, async_op=True).to_local()
+            self._state.append(_HeldBucket(self, index, owners, pending, shard_dim, n))
         for bucket in self.buckets:
             for e in bucket.entries:
                 if e.module._held_unsharded is None:
-                    e.module._held_unsharded = {}
-                e.module._held_unsharded[e.name] = held[id(e.param)]
+                    e.module._held_unsharded = _HeldWeights() if self.lazy else {}
+                state = self._owner_state(e)
+                if self.lazy:
+                    e.module._held_unsharded.entries[e.name] = (state, e)
+                else:
+                    e.module._held_unsharded[e.name] = state.leaf(e)
                 self._held.append(e)
 
-    def _accumulate(self, dtype: torch.dtype):
+    def _owner_state(self, entry: _Entry) -> _HeldBucket:
+        """The bucket that gathers ``entry``'s parameter (a tied weight's: the first bucket that holds it)."""
+        for state in self._state:
+            if any(owner.param is entry.param for owner in state.owners):
+                return state
+        raise KeyError(entry.name)
+
+    def _leaf_ready(self, state: _HeldBucket, leaf: torch.Tensor, reduce_dtype: torch.dtype) -> None:
+        """The held weight now exists: accumulate its microbatch gradients in ``reduce_dtype`` and count them."""
+        if leaf.requires_grad:
+            self._hooks.append(leaf.register_post_accumulate_grad_hook(self._on_gradient(state, reduce_dtype)))
+
+    def _on_gradient(self, state: _HeldBucket, dtype: torch.dtype):
         def hook(leaf: torch.Tensor) -> None:
-            total = self._accumulated.get(id(leaf))
-            self._accumulated[id(leaf)] = leaf.grad.to(dtype) if total is None else total.add_(leaf.grad)
-            leaf.grad = None
+            if leaf.grad.dtype != dtype:
+                total = self._accumulated.get(id(leaf))
+                self._accumulated[id(leaf)] = leaf.grad.to(dtype) if total is None else total.add_(leaf.grad)
+                leaf.grad = None
+            self._passes[id(leaf)] = self._passes.get(id(leaf), 0) + 1
+            if self._expected is not None and self._passes[id(leaf)] == self._expected:
+                state.complete += 1
+                if state.complete == state.trainable:  # the bucket's last gradient of the step
+                    self._start_reduce(state)
 
         return hook
 
     # ------------------------------------------------------------------------------------------ reduce
 
     @torch.no_grad()
+    def _start_reduce(self, state: _HeldBucket) -> None:
+        """Start the bucket's reduce-scatter. The previous one is finished first, so at most one bucket's
+        ``[dp, bucket]`` buffer is in flight while the backward of the earlier layers runs."""
+        with self.phase_scope("reduce"):
+            self._finish_pending()
+            self._pending = self._launch_reduce(state)
+
+    def _finish_pending(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._write_gradients(*pending)
+
+    @torch.no_grad()
     def reduce(self) -> None:
-        """One reduce-scatter (all-reduce for replicate) per bucket of the held weights' gradients, summed over
-        the dp ranks, into each parameter's sharded ``.grad`` (added to it if one exists); then drop the held
-        weights."""
+        """Finish the reduce-scatters started during backward and run those of the buckets that did not start
+        (every bucket, without ``microbatches``): one reduce-scatter (all-reduce for replicate) per bucket of
+        the held weights' gradients, summed over the dp ranks, into each parameter's sharded ``.grad`` (added to
+        it if one exists); then drop the held weights."""
         if not self._held:
             raise RuntimeError("StepGather.reduce: nothing held; call gather() first")
-        for bucket, (mesh, shard_dim, _, coordinate) in zip(self.buckets, self._groups, strict=True):
-            owners = [e for e in bucket.entries if e.width != -1 and e.param.requires_grad]
-            if not owners:
-                continue
-            grads = [self._gradient(e) for e in owners]
-            used = [self._used(e) for e in owners]
-            partial = [Partial()] * mesh.ndim
-            if shard_dim is None:
-                flat = torch.cat([g.flatten() for g in grads])
-                reduced = DTensor.from_local(flat, mesh, partial, run_check=False)
-                flat = reduced.redistribute(mesh, [Replicate()] * mesh.ndim).to_local()
-                local_grads, start = [], 0
-                for e in owners:
-                    local_grads.append(flat[start: start + math.prod(e.shape)].view(e.shape))
-                    start += math.prod(e.shape)
-            else:
-                columns = []
-                for e, g in zip(owners, grads, strict=True):
-                    pieces = g.flatten().split([r * e.row_numel for r in e.rows])
-                    columns.append(torch.stack([F.pad(p, (0, e.width - p.numel())) for p in pieces]))
-                target = [Replicate()] * mesh.ndim
-                target[shard_dim] = Shard(0)
-                buffer = DTensor.from_local(torch.cat(columns, dim=1).flatten(), mesh, partial, run_check=False)
-                mine = buffer.redistribute(mesh, target).to_local()
-                local_grads = [
-                    mine[e.offset: e.offset + e.rows[coordinate] * e.row_numel].view(
-                        e.rows[coordinate], *e.shape[1:])
-                    for e in owners
-                ]
-            for e, local, was_used in zip(owners, local_grads, used, strict=True):
-                if not was_used:  # no gradient, as autograd leaves a parameter the step did not use
-                    continue
-                grad = DTensor.from_local(local.to(e.param.dtype), e.param.device_mesh, e.param.placements,
-                                          run_check=False, shape=e.param.shape, stride=e.param.stride())
-                if e.param.grad is None:
-                    e.param.grad = grad
-                else:
-                    e.param.grad.add_(grad)
+        self._finish_pending()
+        for state in self._state:
+            if not state.reduced:
+                self._write_gradients(*self._launch_reduce(state))
         self.release()
 
+    def _launch_reduce(self, state: _HeldBucket) -> tuple:
+        """Start the bucket's reduce-scatter; return what ``_write_gradients`` needs once it is done."""
+        state.reduced = True
+        mesh, shard_dim, _, _ = self._groups[state.index]
+        owners = [e for e in state.owners if e.param.requires_grad]
+        if not owners:
+            return state.index, [], None, []
+        grads = [self._gradient(e) for e in owners]
+        used = [self._used(e) for e in owners]
+        for e in owners:  # the gradients now live in the buffer below
+            self._accumulated.pop(id(self._leaf(e)), None)
+            self._leaf(e).grad = None
+        partial = [Partial()] * mesh.ndim
+        target = [Replicate()] * mesh.ndim
+        if shard_dim is None:
+            flat = torch.cat([g.flatten() for g in grads])
+        else:
+            target[shard_dim] = Shard(0)
+            columns = []
+            for e, g in zip(owners, grads, strict=True):
+                pieces = g.flatten().split([r * e.row_numel for r in e.rows])
+                columns.append(torch.stack([F.pad(p, (0, e.width - p.numel())) for p in pieces]))
+            flat = torch.cat(columns, dim=1).flatten()
+            del columns
+        del grads
+        buffer = DTensor.from_local(flat, mesh, partial, run_check=False)
+        return state.index, owners, buffer.redistribute(mesh, target, async_op=True).to_local(), used
+
+    def _write_gradients(self, index: int, owners: list[_Entry], reduced: torch.Tensor | None,
+                         used: list[bool]) -> None:
+        """Wait for a bucket's reduce-scatter and set each parameter's sharded ``.grad`` from it."""
+        if not owners:
+            return
+        # An async collective's result is a wrapper that waits on first use; the gradients must be plain tensors.
+        reduced = reduced.wait() if hasattr(reduced, "wait") else reduced
+        shard_dim, coordinate = self._groups[index][1], self._groups[index][3]
+        start = 0
+        for e, was_used in zip(owners, used, strict=True):
+            if shard_dim is None:
+                local = reduced[start: start + math.prod(e.shape)].view(e.shape)
+                start += math.prod(e.shape)
+            else:
+                local = reduced[e.offset: e.offset + e.rows[coordinate] * e.row_numel].view(
+                    e.rows[coordinate], *e.shape[1:])
+            if not was_used:  # no gradient, as autograd leaves a parameter the step did not use
+                continue
+            grad = DTensor.from_local(local.to(e.param.dtype), e.param.device_mesh, e.param.placements,
+                                      run_check=False, shape=e.param.shape, stride=e.param.stride())
+            if e.param.grad is None:
+                e.param.grad = grad
+            else:
+                e.param.grad.add_(grad)
+
+    def _leaf(self, entry: _Entry) -> torch.Tensor:
+        return entry.module._held_unsharded[entry.name]
+
     def _used(self, entry: _Entry) -> bool:
-        leaf = entry.module._held_unsharded[entry.name]
+        leaf = self._leaf(entry)
         return id(leaf) in self._accumulated or leaf.grad is not None
 
     def _gradient(self, entry: _Entry) -> torch.Tensor:
-        leaf = entry.module._held_unsharded[entry.name]
+        leaf = self._leaf(entry)
         reduce_dtype = entry.spec.mp_policy.reduce_dtype or entry.param.dtype
         grad = self._accumulated.get(id(leaf), leaf.grad)
         if grad is None:  # not used this step: zeros in the buffer, and no .grad is set (see reduce)
@@ -267,6 +337,59 @@ class StepGather:
             hook.remove()
         self._hooks.clear()
         self._accumulated.clear()
+        self._passes.clear()
+        self._pending = None
+        self._state.clear()
         for e in self._held:
             e.module._held_unsharded = None
         self._held.clear()
+
+
+class _HeldBucket:
+    """One bucket's gathered weights: the all-gather is waited for, and the held leaves made, where the first
+    of them is read (in the first microbatch's forward), not when the gathers are started."""
+
+    def __init__(self, gather: StepGather, index: int, owners: list[_Entry], pending, shard_dim: int | None,
+                 n: int) -> None:
+        self.gather, self.index, self.owners = gather, index, owners
+        self._pending, self._shard_dim, self._n = pending, shard_dim, n
+        self._leaves: dict[int, torch.Tensor] | None = None
+        self.trainable = sum(1 for e in owners if e.param.requires_grad)
+        self.complete = 0
+        self.reduced = False
+
+    def leaf(self, entry: _Entry) -> torch.Tensor:
+        if self._leaves is None:
+            with self.gather.phase_scope("gather"):
+                self._leaves = self._unpack()
+        return self._leaves[id(entry.param)]
+
+    @torch.no_grad()
+    def _unpack(self) -> dict[int, torch.Tensor]:
+        if self._shard_dim is None:
+            fulls = self._pending
+        else:
+            numel = sum(e.width for e in self.gather.buckets[self.index].entries)
+            rows = self._pending.view(self._n, numel)
+            fulls = []
+            for e in self.owners:
+                pieces = [rows[r, e.offset: e.offset + e.rows[r] * e.row_numel] for r in range(self._n)]
+                fulls.append(torch.cat(pieces).view(e.shape))
+        self._pending = None
+        leaves = {}
+        for e, full in zip(self.owners, fulls, strict=True):
+            leaf = full.detach().requires_grad_(e.param.requires_grad)
+            leaves[id(e.param)] = leaf
+            self.gather._leaf_ready(self, leaf, e.spec.mp_policy.reduce_dtype or e.param.dtype)
+        return leaves
+
+
+class _HeldWeights:
+    """``module._held_unsharded``: name -> the held unsharded weight, made on first read (``_HeldBucket``)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, tuple[_HeldBucket, _Entry]] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        state, entry = self.entries[name]
+        return state.leaf(entry)

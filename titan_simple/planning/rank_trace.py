@@ -19,8 +19,10 @@ over-estimate of their activations.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -113,6 +115,17 @@ def _local_vocab(logits: torch.Tensor) -> int:
     return local.shape[-1]
 
 
+@contextlib.contextmanager
+def _in_phase(tracer: StepTracer, name: str):
+    """Count what runs inside as phase ``name``, then go back to the phase it interrupted."""
+    previous = tracer.phase
+    tracer.set_phase(name)
+    try:
+        yield
+    finally:
+        tracer.set_phase(previous)
+
+
 @dataclass
 class RankTrace:
     parts: list[StageTrace]
@@ -156,7 +169,11 @@ def trace_rank(run: RunPlan, mesh: DeviceMesh | None) -> RankTrace:
         gather = model_parts.step_gather  # once per step: the held weights are alive through every microbatch
         if gather is not None:
             tracer.set_phase("gather")
-            gather.gather()
+            gather.phase_scope = partial(_in_phase, tracer)  # its work inside the microbatch: once per step
+            # No reduce-scatter starts inside the traced backward: in a step of several microbatches every held
+            # gradient is alive until the last one, which is the peak this trace of one microbatch must show.
+            # The time model overlaps the reduces (report.once_per_step_exposed).
+            gather.gather(microbatches=None)
         results = [_trace_part(part, stage, run, tracer, mesh, train_step)
                    for part, stage in zip(parts, stages, strict=True)]
         if gather is not None:

@@ -164,6 +164,22 @@ def suggestion(largest: str, run: RunPlan) -> str:
             "vocab-sharded); transients are gathered weights, logits and optimizer temporaries")
 
 
+def once_per_step_exposed(gathers: list[float], reduces: list[float], compute_pass: float, lazy: bool) -> float:
+    """Seconds of SimpleFSDP's once-per-step gathers and reduces (``parallel/step_gather.py``) that no compute
+    hides. Each reduce-scatter starts when its bucket's last gradient is complete and runs while the earlier
+    layers' backward does, so only the last one's is exposed: the first bucket in forward order, which the trace
+    (it reduces after its microbatch, in forward order) lists first. All gathers start together; in an eager forward
+    (``lazy``) each bucket is waited for where its weights are first read, so only the first bucket's gather is
+    exposed, while a compiled forward needs them all before it starts. What overlaps is hidden behind one
+    microbatch pass of this rank's stages, as far as that pass is long enough."""
+    if not gathers and not reduces:
+        return 0.0
+    waited = gathers[:1] if lazy else gathers
+    edges = sum(waited) + (reduces[0] if reduces else 0.0)
+    hidden = sum(gathers[len(waited):]) + sum(reduces[1:])
+    return edges + max(hidden - compute_pass, 0.0)
+
+
 def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: DeviceSpec,
                  dim_of_group: dict[str, str]) -> dict[str, Any]:
     """The memory / time model of ``run``'s rank ``rank`` (pipeline rank ``pp_rank``) over its ``trace``."""
@@ -204,6 +220,8 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
     rows: dict[tuple[str, str, str], dict[str, float]] = defaultdict(
         lambda: {"count": 0, "bytes": 0, "seconds": 0.0, "once": 0})
     dp_comm_pass = exposed_pass = dp_once_s = 0.0
+    once_gathers: list[float] = []  # SimpleFSDP's once-per-step collectives, in the order they start
+    once_reduces: list[float] = []
     for c in trace.collectives:
         dim_name = dim_of_group.get(c.group, "world")
         dim = mdims.get(dim_name, MeshDim(dim_name, world, world <= spec.gpus_per_node))
@@ -215,9 +233,10 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
         row["seconds"] += per_step * seconds
         if c.phase == "optimizer":
             optimizer_s += seconds
-        elif c.phase in ("gather", "reduce"):  # SimpleFSDP once per step: already one per bucket; not overlapped
+        elif c.phase in ("gather", "reduce"):  # SimpleFSDP once per step: already one per bucket
             row["once"] += 1
             dp_once_s += seconds
+            (once_gathers if c.phase == "gather" else once_reduces).append(seconds)
         elif dim_name in DATA_PARALLEL_DIMS:
             dp_comm_pass += seconds
         else:
@@ -253,7 +272,8 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
         chunk_s = pass_s / len(trace.parts)
         factor = {"InterleavedZeroBubble": 1 / 3, "ZBVZeroBubble": 1 / 3}.get(plan.schedule, 1.0)
         bubble = (plan.pp - 1) * chunk_s * factor * accumulation
-    step_s = passes * pass_s + bubble + optimizer_s + dp_once_s
+    dp_once_exposed = once_per_step_exposed(once_gathers, once_reduces, compute_pass, lazy=not compiled)
+    step_s = passes * pass_s + bubble + optimizer_s + dp_once_exposed
     global_tokens = run.global_tokens
     tokens_per_gpu = global_tokens / world / step_s
     model_flops = flops_per_token(args, _non_embedding_params(args), training.seq_len)
@@ -308,7 +328,7 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
             "compute_attention": passes * by_category["attention"],
             "compute_elementwise": passes * by_category["memory"],
             "data_parallel_comm": passes * dp_comm_pass + dp_once_s,
-            "data_parallel_comm_exposed": passes * dp_exposed_pass + dp_once_s,
+            "data_parallel_comm_exposed": passes * dp_exposed_pass + dp_once_exposed,
             "tensor_parallel_and_other_comm_exposed": passes * exposed_pass,
             "pipeline_send_recv": passes * p2p_pass,
             "pipeline_bubble": bubble,

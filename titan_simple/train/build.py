@@ -77,7 +77,9 @@ def build_model_parts(plan: RunPlan, mesh: DeviceMesh | None, device: torch.devi
         if materialize:
             materialize_and_init(model, device, training.seed)  # the same values on every layout
         modules = [model]
-    step_gather = StepGather(modules) if plan.gather_mode == "once_per_step" else None
+    # Compiled forwards read the held weights as graph inputs: they must be gathered before the forward starts.
+    step_gather = (StepGather(modules, lazy=not plan.compile.enabled) if plan.gather_mode == "once_per_step"
+                   else None)
     return ModelParts(
         model_args=plan.model_args, modules=modules, pipeline=pipeline,
         device=device if materialize else torch.device("meta"), num_params=num_params, flops_per_token=flops,

@@ -101,7 +101,8 @@ class TrainStep:
         gather = self.parts.step_gather
         if gather is not None:  # once per step: all-gather the weights now, reduce-scatter after the last batch
             self.hooks.phase("gather")
-            gather.gather()
+            pipeline = self.plan.pipeline
+            gather.gather(microbatches=len(batches) * (pipeline.n_microbatches if pipeline is not None else 1))
         try:
             for inputs, labels in batches:
                 batch_loss = self._forward_backward(inputs.to(self.device), labels.to(self.device), loss_scale)
