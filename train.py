@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 
 from titan_simple.errors import ConfigError, NonFiniteTraining, UserError
 
@@ -44,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         # rank cannot write) come from the rank that saw them.
         if rank == 0 or not isinstance(error, ConfigError):
             print(f"error: {error}", file=sys.stderr)
+        elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # torchrun stops the whole job when the first rank exits: give rank 0 the moment to say it.
+            time.sleep(2)
         return 2
     except NonFiniteTraining as error:
         print(f"error: {error}", file=sys.stderr)

@@ -76,7 +76,9 @@ def test_torchrun_two_processes_simple_fsdp_matches_fsdp2(tmp_path):
     for implementation in ("simple", "fsdp2"):
         result = torchrun(2, tmp_path / implementation, "--parallelism.fsdp_implementation", implementation)
         assert result.returncode == 0, result.stderr[-3000:]
-        assert f"mesh dp_shard2 (world 2, {implementation} fully_shard)" in result.stderr
+        wrapper = {"simple": "SimpleFSDP", "fsdp2": "FSDP2"}[implementation]
+        assert "world 2 on cpu: dp_shard2" in result.stderr  # the plan, logged at start-up
+        assert f"data parallel: {wrapper} fully_shard" in result.stderr
         runs[implementation] = read_jsonl(tmp_path / implementation / "metrics.jsonl")  # only rank 0 writes
     simple, fsdp2 = runs["simple"], runs["fsdp2"]
     assert [r["step"] for r in simple] == [1, 3, 6]
