@@ -133,15 +133,16 @@ def test_shipped_configs_dry_run_at_their_world_size(tmp_path, config, world_siz
 
 
 def test_compiled_loss_is_modelled_as_keeping_no_fp32_log_probs(tmp_path):
-    """Where the training step compiles the loss with the model (one graph: no TP, no PP), the fused
-    cross-entropy keeps no fp32 [tokens, vocab] log-probabilities: the dry run's activations are exactly that
-    much smaller than the eager-loss layout's (tokens x vocab x 4 bytes per rank)."""
+    """Where the training step compiles the loss with the model (one graph: no TP, no PP), the plan runs the plain
+    loss (Inductor fuses it) and the dry run models that fused cross-entropy as keeping the logits' gradient in
+    their dtype, no fp32 log-probabilities: its activations are those of the chunked eager loss."""
     common = ("--config", "llama3_debug.toml", "--dry_run.world_size", "2", "--training.seq_len", "64",
-              "--training.local_batch_size", "2", "--dry_run.device", "cpu", "--training.loss_chunks", "1")
-    _, eager = dry_run(tmp_path / "eager", *common, "--compile.enable", "false")
+              "--training.local_batch_size", "2", "--dry_run.device", "cpu",
+              "--training.mixed_precision_param", "bfloat16")
     _, compiled = dry_run(tmp_path / "compiled", *common, "--compile.enable", "true")
-    log_probs = 2 * 64 * LLAMA3_FLAVORS["debugmodel"].vocab_size * 4
-    assert eager["memory_bytes"]["activations"] - compiled["memory_bytes"]["activations"] == log_probs
+    _, chunked = dry_run(tmp_path / "chunked", *common, "--compile.enable", "false", "--training.loss_chunks", "8")
+    assert "cross-entropy, compiled with the model (fused by Inductor" in "\n".join(compiled["plan"])
+    assert compiled["memory_bytes"]["activations"] == chunked["memory_bytes"]["activations"]
 
 
 def test_chunked_loss_is_modelled_as_keeping_the_logits_gradient_not_fp32_log_probs(tmp_path):

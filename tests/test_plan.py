@@ -24,7 +24,7 @@ PLAN_FILE = REPO / "titan_simple" / "train" / "plan.py"
 DECISIONS = (
     "model_args_for", "plan_pipeline", "accumulation_steps", "choose_gather_mode", "choose_precision",
     "cpu_has_native_bf16", "choose_compile_mode", "uses_loss_parallel", "choose_reshard_after_forward",
-    "plan_validation",
+    "plan_validation", "choose_loss_chunks",
 )
 # Config keys that feed a decision: read only by config.py and the plan.
 DECISION_KEYS = {

@@ -20,6 +20,7 @@ over-estimate of their activations.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -36,6 +37,9 @@ from titan_simple.train.build import build_model_parts
 from titan_simple.train.optim import optimizer_from_config
 from titan_simple.train.plan import RunPlan
 from titan_simple.train.step import TrainStep, build_train_step
+
+# How the trace models the fused cross-entropy of a loss compiled with the model (see trace_rank).
+FUSED_LOSS_TRACE_CHUNKS = 8
 
 
 @dataclass
@@ -85,16 +89,9 @@ def _trace_part(part: nn.Module, stage: int | None, run: RunPlan, tracer: StepTr
         if last:
             with loss_parallel_context(loss_parallel):
                 loss = train_step.loss(out, labels, 1 / (batch * training.seq_len))  # the trainer's loss, exactly
-                local_vocab = _local_vocab(out)
                 if plan is None:
                     del out  # the local step drops the logits after the loss; the pipeline schedule keeps them
                 kept = tracer.live - before
-                if run.loss.compiled_with_model and run.loss.chunks == 1:
-                    # The trace runs the plain loss eagerly, which keeps the fp32 log-probabilities [tokens,
-                    # vocab] for backward; compiled with the model (train/loss.py ModelWithLoss) the fused
-                    # cross-entropy keeps the logits and one logsumexp per token instead. The peak is left as
-                    # traced (an upper bound). The chunked loss keeps no fp32 copy either way.
-                    kept -= labels.numel() * local_vocab * 4
                 tracer.set_phase("backward")
                 loss.backward()
             boundary = 0
@@ -107,12 +104,6 @@ def _trace_part(part: nn.Module, stage: int | None, run: RunPlan, tracer: StepTr
     layers = [int(name) for name in part.layers.keys()]
     return StageTrace(stage, layers, kept, peak, boundary, len(transformer_block_plan(part)),
                       sum(1 for _ in part.parameters()))
-
-
-def _local_vocab(logits: torch.Tensor) -> int:
-    """This rank's share of the vocabulary dim of the output (plain tensors: all of it)."""
-    local = logits.to_local() if isinstance(logits, DTensor) else logits
-    return local.shape[-1]
 
 
 @contextlib.contextmanager
@@ -145,6 +136,10 @@ def trace_rank(run: RunPlan, mesh: DeviceMesh | None) -> RankTrace:
     # Compiling meta graphs would take minutes; the time model accounts for it (and the trace for the loss
     # compiled with the model: run.loss.compiled_with_model is kept).
     run = run.without_compile()
+    if run.loss.compiled_with_model:
+        # The step compiles the plain loss with the model: Inductor's fused cross-entropy keeps the logits (or
+        # their gradient) in their dtype and no fp32 copy. Traced eagerly, the chunked loss keeps exactly that.
+        run = dataclasses.replace(run, loss=dataclasses.replace(run.loss, chunks=FUSED_LOSS_TRACE_CHUNKS))
     # The trainer's build, left on the meta device.
     model_parts = build_model_parts(run, mesh, torch.device("meta"), materialize=False)
     parts = model_parts.modules
