@@ -13,7 +13,7 @@ from titan_simple.train.loss import chunked_cross_entropy_sum, cross_entropy_sum
 RTOL = 1e-6  # fp32: loss and gradients of the chunked loss against the plain one
 
 
-def _logits_and_labels(dtype: torch.dtype = torch.float32):
+def _logits_and_labels():
     torch.manual_seed(0)
     hidden = torch.randn(2, 48, 16, requires_grad=True)
     weight = torch.randn(16, 300, requires_grad=True)
