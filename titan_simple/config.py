@@ -93,8 +93,13 @@ class Training:
         "taken from the extensions."
     )
     shuffle: bool = option(
-        True, "Visit the data files in a new seeded order every epoch (the built-in corpus: one document per "
-        "file, so a document shuffle); false = file order."
+        True, "Visit the documents in a new seeded order every epoch; false = the order of the files and of the "
+        "documents in them."
+    )
+    data_cache: str | None = option(
+        None, "Folder of the token stores (each corpus tokenized once, then memory-mapped by every run; "
+        "scripts/prepare_data.py builds one ahead). Every rank must see it. Default: "
+        "$XDG_CACHE_HOME/titan_simple/token_store, else ~/.cache/titan_simple/token_store."
     )
     seed: int = option(0, "Seed for model init and everything random; same config + seed = same losses on CPU.")
     deterministic: bool = option(False, "Use deterministic algorithms (slower on GPU).")

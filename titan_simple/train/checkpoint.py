@@ -15,15 +15,13 @@ The DCP state dict (nested keys are flattened by DCP: ``model.layers.0.attention
     model         the model's own parameter names; sharded DTensors are written shard by shard, no gather
     optimizer     per-parameter state with flattened names, so it reshards like the model (PP included)
     lr_scheduler  the LambdaLR state
-    dataloader    {"row_<r>_of_<rows>": stream state} of every row of the global batch (data/global_order.py), or for
-                  loaders without row streams {"dp_rank_<i>": loader state} of every data-parallel rank
+    dataloader    {"consumed_samples", "seq_len"}: the data position, global (data/sample_index.py)
     train_state   step, tokens_seen, and the dp size / world size it was saved with
     rng           {"rank_<r>": RNG states} of every rank
 
-DCP reshards DTensors on load, so a checkpoint saved on one layout loads on any other. The data position is
-saved per row of the global batch, so any data-parallel size continues the global order exactly (each rank loads
-the rows it owns now); only with another global batch is it approximated by skipping ``tokens_seen / dp`` tokens
-per rank (``_fast_forward_data``). RNG states are restored only on the same world size.
+DCP reshards DTensors on load, so a checkpoint saved on one layout loads on any other. The data position is the
+number of global samples consumed, so any layout and any global batch continue with exactly the samples not yet
+seen (``_resume_data``). RNG states are restored only on the same world size.
 """
 
 from __future__ import annotations
@@ -150,9 +148,6 @@ class _PendingSave:
     started: float
 
 
-def _row_key(row: int, total_rows: int) -> str:
-    """A data row's checkpoint key: row r of a global batch of ``total_rows`` (another batch, another order)."""
-    return f"row_{row}_of_{total_rows}"
 
 
 class CheckpointManager:
@@ -178,7 +173,6 @@ class CheckpointManager:
         self.config = config.checkpoint
         self.folder = Path(config.job.dump_folder) / self.config.folder
         self.tokens_per_sample = config.training.seq_len
-        self.local_batch_size = config.training.local_batch_size
         self.model = _merged_view(model_parts)
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
@@ -266,18 +260,11 @@ class CheckpointManager:
                 state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIMIZER_OPTIONS)
         if "lr_scheduler" in wanted:
             state["lr_scheduler"] = b""
-        data_key = f"dp_rank_{self.dp_rank}"
-        same_data_layout = saved["dp_size"] == self.dp_size
-        rows = self._row_streams()
-        row_keys = [_row_key(r, rows.total_rows) for r in rows.streams] if rows is not None else []
-        if "dataloader" in wanted and rows is not None:
-            if all(f"dataloader.{k}" in metadata.state_dict_metadata for k in row_keys):
-                state["dataloader"] = dict.fromkeys(row_keys, b"")
-        elif "dataloader" in wanted and same_data_layout:
-            if f"dataloader.{data_key}" not in metadata.state_dict_metadata:
-                raise ConfigError(f"checkpoint {path} has no dataloader state for data-parallel rank {self.dp_rank}; "
-                                  "it is corrupt, or add 'dataloader' to [checkpoint] exclude_from_loading.")
-            state["dataloader"] = {data_key: b""}
+        data_position = None
+        if "dataloader" in wanted and "dataloader.consumed_samples" in metadata.state_dict_metadata:
+            data_state = {"dataloader": {"consumed_samples": 0, "seq_len": 0}}  # small: read on its own
+            self._dcp_load(data_state, path)
+            data_position = data_state["dataloader"]
         rng_key = f"rank_{self.rank}"
         same_world = saved["world_size"] == self.world_size
         if "rng" in wanted and same_world and f"rng.{rng_key}" in metadata.state_dict_metadata:
@@ -290,16 +277,16 @@ class CheckpointManager:
                 set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=_OPTIMIZER_OPTIONS)
         if "lr_scheduler" in state:
             load_lr_scheduler_position(self.lr_scheduler, self.optimizer, _unpack(state["lr_scheduler"]))
-        if "dataloader" in state and rows is not None:
-            saved_rows = state["dataloader"]
-            rows.load_stream_states({r: _unpack(saved_rows[_row_key(r, rows.total_rows)]) for r in rows.streams})
-        elif "dataloader" in state:
-            self.dataloader.load_state_dict(_unpack(state["dataloader"][data_key]))
+        if data_position is not None:
+            self._resume_data(data_position["consumed_samples"], data_position["seq_len"], saved["tokens_seen"])
         elif "dataloader" in wanted:
-            self._fast_forward_data(saved["tokens_seen"], saved["dp_size"])
+            logger.warning("checkpoint: %s has no data position (saved before the global sample index): the data "
+                           "continues after tokens_seen / seq_len samples", path)
+            self._resume_data(saved["tokens_seen"] // self.tokens_per_sample, self.tokens_per_sample,
+                              saved["tokens_seen"])
         elif "dataloader" in self.config.exclude_from_loading and not model_only:
             logger.warning("checkpoint: dataloader state not loaded (exclude_from_loading): the data starts over "
-                           "from the first document")
+                           "from the first sample")
         if "rng" in state:
             _set_rng_state(_unpack(state["rng"][rng_key]))
         elif "rng" in wanted:
@@ -320,26 +307,24 @@ class CheckpointManager:
             raise CheckpointError(f"checkpoint {path} cannot be read ({first_failure(e)}); it is corrupt or "
                               "truncated. Delete it to resume from the previous one.") from None
 
-    def _row_streams(self) -> Any:
-        """The loader's ``RowStreams`` (the training order of data/global_order.py), or None."""
+    def _samples(self) -> Any:
+        """The loader's ``GlobalSamples`` (data/datasets.py), or None for a loader of another kind."""
         dataset = getattr(self.dataloader, "dataset", None)
-        return dataset if hasattr(dataset, "stream_states") else None
+        return dataset if hasattr(dataset, "resume_at") else None
 
-    def _fast_forward_data(self, tokens_seen: int, saved_dp_size: int) -> None:
-        """The per-rank data positions of another dp size cannot be mapped onto this one: the documents are
-        split among ranks differently. Continue instead at the same token count: each rank skips the
-        ``tokens_seen / dp`` tokens it would have read had the run used this layout from the start."""
-        batches = tokens_seen // (self.dp_size * self.local_batch_size * self.tokens_per_sample)
-        logger.warning(
-            "checkpoint: its data positions do not match this run (saved with %d data-parallel ranks, running "
-            "with %d; or another global batch): each rank skips its first %d batches (%s tokens in all) of the new "
-            "order instead, so some documents may be seen twice or not at all.",
-            saved_dp_size, self.dp_size, batches, f"{tokens_seen:,}",
-        )
-        iterator = iter(self.dataloader)
-        for _ in range(batches):
-            next(iterator)
-        self.dataloader.load_state_dict(self.dataloader.state_dict())  # the trainer's iter() continues here
+    def _resume_data(self, consumed: int, seq_len: int, tokens_seen: int) -> None:
+        """Continue with the first sample not yet consumed: exact on any layout and any global batch (the
+        sample ids do not depend on them). Samples of another seq_len are other windows: continue after the
+        same number of tokens instead."""
+        samples = self._samples()
+        if samples is None:
+            return
+        if seq_len != self.tokens_per_sample:
+            consumed = tokens_seen // self.tokens_per_sample
+            logger.warning("checkpoint: saved with seq_len %d, running with %d: the data continues after the same "
+                           "number of tokens (%s), in windows of the new length", seq_len, self.tokens_per_sample,
+                           f"{tokens_seen:,}")
+        samples.resume_at(consumed)
 
     # -------------------------------------------------------------------------------------- save
 
@@ -383,10 +368,9 @@ class CheckpointManager:
                                 "dp_size": self.dp_size, "world_size": self.world_size}
         if not model_only:
             state["lr_scheduler"] = _pack(self.lr_scheduler.state_dict())
-            rows = self._row_streams()
-            state["dataloader"] = ({_row_key(r, rows.total_rows): _pack(s) for r, s in rows.stream_states().items()}
-                                   if rows is not None
-                                   else {f"dp_rank_{self.dp_rank}": _pack(self.dataloader.state_dict())})
+            samples = self._samples()
+            if samples is not None:  # the same on every rank
+                state["dataloader"] = {"consumed_samples": samples.consumed, "seq_len": self.tokens_per_sample}
             state["rng"] = {f"rank_{self.rank}": _pack(_rng_state())}
         return state
 

@@ -22,10 +22,12 @@ import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from titan_simple.config import JobConfig
+from titan_simple.data.datasets import default_cache
 from titan_simple.errors import ConfigError
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, ModelArgs, build_model
 from titan_simple.parallel.compile import CompilePlan
@@ -49,11 +51,12 @@ class Precision:
 
 @dataclass(frozen=True)
 class DataOrder:
-    """The layout-invariant order (``data/global_order.py``): one document stream per row of the global batch,
-    each data-parallel rank reading its block of rows."""
+    """The layout-invariant order (``data/sample_index.py``): step s, row r reads global sample
+    ``consumed + s x global_rows + r``; each data-parallel rank reads its block of rows."""
 
     global_rows: int  # sequences per optimizer step: local batch x dp x accumulation
-    shuffle_seed: int | None  # None: files in their order
+    shuffle_seed: int | None  # None: documents in store order
+    cache: Path  # where the token stores are (data/token_store.py)
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,7 @@ class RunPlan:
         lines.append(f"  precision: {_name(precision.param_dtype)} compute{why('dtype')}, "
                      f"{_name(precision.reduce_dtype)} reduce, {autocast}")
         shuffle = (f"shuffled (seed {self.data.shuffle_seed})" if self.data.shuffle_seed is not None
-                   else "in file order")
+                   else "in store order")
         lines.append(f"  batch: {self.data.global_rows} x {training.seq_len} = {self.global_tokens:,} tokens per "
                      f"step | local {training.local_batch_size} x {self.accumulation_steps} accumulation | data "
                      f"{shuffle}")
@@ -186,7 +189,8 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
         reshard_after_forward=choose_reshard_after_forward(config, dims, gather, reasons), compile=compile_plan,
     )
     data = DataOrder(global_rows=training.local_batch_size * dims.dp * accumulation,
-                     shuffle_seed=training.seed if training.shuffle else None)
+                     shuffle_seed=training.seed if training.shuffle else None,
+                     cache=Path(training.data_cache).expanduser() if training.data_cache else default_cache())
     return RunPlan(
         config=config, dims=dims, device_type=device_type, model_args=model_args, pipeline=pipeline,
         accumulation_steps=accumulation, precision=precision, gather_mode=gather, parallel=parallel,

@@ -67,9 +67,10 @@ class Trainer:
             local_batch_size=training.local_batch_size,
             dp_rank=self.dp_rank,
             dp_world_size=self.dp_size,
-            # The layout-invariant order: one stream per row of the global batch (data/global_order.py).
+            # The layout-invariant order: global sample ids (data/sample_index.py).
             global_rows=self.plan.data.global_rows,
             shuffle_seed=self.plan.data.shuffle_seed,
+            cache=self.plan.data.cache,
         )
         self.parts = build_model_parts(self.plan, self.mesh, self.device)
         self.model_parts = self.parts.modules

@@ -7,14 +7,14 @@
 Every rank of the world runs every validation batch: SimpleFSDP / FSDP2 all-gather parameters inside the
 forward, tensor-parallel ranks share each batch and pipeline stages pass activations along, so a rank that
 skipped a forward would leave its peers waiting. Each data-parallel rank reads a disjoint part of the held-out
-documents (the training loader's split, on the validation split); ranks that share a data-parallel index
-(tensor / pipeline parallel) read the same batches.
+data (its rows of each held-out batch: the training loader's global sample index, unshuffled, on the held-out
+store); ranks that share a data-parallel index (tensor / pipeline parallel) read the same batches.
 
 The loss is the token-weighted mean over all batches of all data-parallel ranks: the summed cross-entropy and
 the token count are each summed over the world, then divided. Ranks that share a batch count it equally in
 both sums, so the ratio is the data-parallel mean. Perplexity is ``exp(loss)``.
 
-Each validation starts again from the first held-out document, so successive validations of one run see the
+Each validation starts again from the first held-out sample, so successive validations of one run see the
 same batches and their losses compare directly.
 """
 
@@ -73,7 +73,7 @@ class Validator:
             self.dataloader = build_dataloader(
                 dataset=validation.dataset, dataset_path=validation.dataset_path, tokenizer=tokenizer,
                 seq_len=self.seq_len, local_batch_size=self.local_batch_size, dp_rank=dp_rank, dp_world_size=dp_size,
-                split="validation", infinite=False,
+                split="validation", infinite=False, cache=plan.data.cache,
             )
         except ConfigError as error:  # the data module names the keys of [training]; these are ours
             raise ConfigError(str(error).replace("[training]", "[validation]")) from None
@@ -115,7 +115,8 @@ class Validator:
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         tokens = 0
         batches = 0
-        data = iter(self.dataloader)  # a fresh pass from the first held-out document
+        self.dataloader.dataset.resume_at(0)
+        data = iter(self.dataloader)  # a fresh pass from the first held-out sample
         try:
             while self.steps == -1 or batches < self.steps:
                 batch = next(data, None)
@@ -132,9 +133,9 @@ class Validator:
                 part.train(training)
         if batches == 0:
             raise ConfigError(
-                "[validation] no held-out batch: a data-parallel rank has fewer held-out tokens than "
-                f"local_batch_size x (seq_len + 1) = {self.local_batch_size} x {self.seq_len + 1}; lower "
-                "[validation] local_batch_size or seq_len, or add held-out data."
+                "[validation] no held-out batch: the held-out data has fewer samples of seq_len + 1 = "
+                f"{self.seq_len + 1} tokens than one validation batch (local_batch_size {self.local_batch_size} x "
+                "data-parallel degree); lower [validation] local_batch_size or seq_len, or add held-out data."
             )
         if self.steps != -1 and batches < self.steps:
             logger.warning("validation: held-out data ran out after %d of %d batches", batches, self.steps)
