@@ -8,9 +8,9 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import numpy as np
 import pytest
 import torch
 
