@@ -138,6 +138,8 @@ def main() -> None:
     parser.add_argument("--build-mb", type=int, default=256)
     parser.add_argument("--big-mb", type=int, default=1024)
     parser.add_argument("--doc", action="store_true", help="write the table into docs/benchmarks.md")
+    parser.add_argument("--reuse-builds", action="store_true",
+                        help="take the build figures of the last run in --work (measure the training part only)")
     parser.add_argument("--worker-build", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker_build:
@@ -147,14 +149,19 @@ def main() -> None:
     load = os.getloadavg()[0]
     work = Path(args.work)
     print(f"load average before: {load:.2f}")
-    build_corpus = make_corpus(work / f"corpus_{args.build_mb}mb", args.build_mb)
-    builds = [run_build(build_corpus, work / f"cache_build_{n}", n) for n in (1, 2)]
+    saved = work / "builds.json"
+    if args.reuse_builds and saved.is_file():  # the builds of the last run (the training part changed)
+        builds, big = json.loads(saved.read_text())
+    else:
+        build_corpus = make_corpus(work / f"corpus_{args.build_mb}mb", args.build_mb)
+        builds = [run_build(build_corpus, work / f"cache_build_{n}", n) for n in (1, 2)]
+        big_corpus = make_corpus(work / f"corpus_{args.big_mb}mb", args.big_mb)
+        big = run_build(big_corpus, work / "cache_big", 2)
+        saved.write_text(json.dumps([builds, big]))
     for b in builds:
         print(f"build {b['num_proc']} process(es): {b['bytes'] / 2**20:.0f} MiB, {b['documents']:,} documents, "
               f"{b['tokens']:,} tokens in {b['seconds']:.1f} s = {b['tokens'] / b['seconds']:,.0f} tokens/s; "
               f"open {b['open_ms']:.2f} ms")
-    big_corpus = make_corpus(work / f"corpus_{args.big_mb}mb", args.big_mb)
-    big = run_build(big_corpus, work / "cache_big", 2)
     print(f"big: {big['bytes'] / 2**20:.0f} MiB, {big['tokens']:,} tokens in {big['seconds']:.1f} s; "
           f"open {big['open_ms']:.2f} ms")
     # The built-in corpus's store is built first, so that neither run's peak RSS includes a build.

@@ -91,7 +91,8 @@ def _files_name(key: dict[str, Any]) -> str:
 
 
 class TokenStore:
-    """A built store, memory-mapped read-only: ``document(i)`` is a view of document i's ids."""
+    """A built store, opened read-only: ``tokens`` (memory-mapped) and ``offsets`` (document i is
+    ``tokens[offsets[i]:offsets[i + 1]]``); ``tokens_between`` is what training reads."""
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
@@ -104,6 +105,7 @@ class TokenStore:
                 raise ValueError(f"tokens.bin holds {actual} bytes, the offsets say {expected}")
             self.tokens = (np.memmap(folder / "tokens.bin", dtype=TOKEN_DTYPE, mode="r") if expected
                            else np.zeros(0, dtype=TOKEN_DTYPE))
+            self._file = (folder / "tokens.bin").open("rb", buffering=0)
         except (OSError, ValueError, KeyError, json.JSONDecodeError) as error:
             raise DataError(f"token store {folder} is damaged ({error}); delete that folder and the next run "
                             "builds it again") from None
@@ -120,7 +122,12 @@ class TokenStore:
         return np.diff(self.offsets)
 
     def tokens_between(self, start: int, stop: int) -> np.ndarray:
-        return self.tokens[start:stop]
+        """Tokens ``[start, stop)``, read with ``pread``: a training run reads a few KB at random places per
+        step, and reading them through the memory map would fault in the kernel's read-ahead around each one,
+        which counts in the process's RSS (~90 MiB after 20 steps on a 1 GiB corpus); the page cache does not."""
+        itemsize = np.dtype(TOKEN_DTYPE).itemsize
+        data = os.pread(self._file.fileno(), (stop - start) * itemsize, start * itemsize)
+        return np.frombuffer(data, dtype=TOKEN_DTYPE)
 
 
 # ------------------------------------------------------------------------------------------- opening

@@ -205,7 +205,9 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
                     "optimizer state": trace.optimizer_bytes, "activations": activations,
                     "transient (peak - the rest)": transient}
     largest = max(contributors, key=contributors.__getitem__)
-    fits = peak <= spec.memory_bytes
+    reserved = peak * (1 + spec.allocator_overhead)  # what torch.cuda.max_memory_reserved would say
+    device_total = reserved + spec.runtime_bytes  # what nvidia-smi would say
+    fits = device_total <= spec.memory_bytes
 
     # ---- compute (the traced ops are one microbatch per local stage + one optimizer step)
     step_ops = [op for op in trace.ops if op.phase != "optimizer"]
@@ -275,7 +277,8 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
     dp_once_exposed = once_per_step_exposed(once_gathers, once_reduces, compute_pass, lazy=not compiled)
     step_s = passes * pass_s + bubble + optimizer_s + dp_once_exposed
     global_tokens = run.global_tokens
-    tokens_per_gpu = global_tokens / world / step_s
+    roofline_tokens_per_gpu = global_tokens / world / step_s
+    tokens_per_gpu = roofline_tokens_per_gpu * spec.achieved_fraction
     model_flops = flops_per_token(args, _non_embedding_params(args), training.seq_len)
     mfu = tokens_per_gpu * model_flops / spec.peak_flops
 
@@ -315,6 +318,8 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
             "activations_per_microbatch": kept,
             "transient": transient,
             "peak": peak,
+            "reserved": reserved,
+            "device_total": device_total,
             "device": spec.memory_bytes,
         },
         "peak_at": trace.peak_at if fwd_bwd_peak >= trace.optimizer_peak_bytes else "optimizer step",
@@ -337,6 +342,7 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
         },
         "hardware_flops_per_step": passes * matmul_flops,
         "tokens_per_second_per_gpu": tokens_per_gpu,
+        "roofline_tokens_per_second_per_gpu": roofline_tokens_per_gpu,
         "mfu": mfu,
         "trace_seconds": trace.seconds,
         "device_spec": asdict(spec),
@@ -385,10 +391,16 @@ def format_report(r: dict[str, Any]) -> str:
         f"    activations               {_gib(m['activations']):>14}   "
         f"({_gib(m['activations_per_microbatch'])} per microbatch)",
         f"    transient                 {_gib(m['transient']):>14}",
-        f"    peak                      {_gib(m['peak']):>14}   of {_gib(m['device'])} "
-        f"({100 * m['peak'] / m['device']:.0f}%)  -> {'fits' if r['fits'] else 'DOES NOT FIT'}",
-        f"    (peak reached at {r['peak_at']})",
+        f"    peak (tensors)            {_gib(m['peak']):>14}   (reached at {r['peak_at']})",
     ]
+    if m["device_total"] != m["peak"]:
+        lines += [
+            f"    reserved (allocator)      {_gib(m['reserved']):>14}   "
+            f"(peak x {m['reserved'] / m['peak']:.3f}, fitted)",
+            f"    + CUDA context, NCCL      {_gib(m['device_total'] - m['reserved']):>14}",
+        ]
+    lines.append(f"    on the device             {_gib(m['device_total']):>14}   of {_gib(m['device'])} "
+                 f"({100 * m['device_total'] / m['device']:.0f}%)  -> {'fits' if r['fits'] else 'DOES NOT FIT'}")
     if not r["fits"]:
         lines.append(f"    largest contributor: {r['largest_contributor']}; suggestion: {r['suggestion']}")
     lines += ["", f"  collectives per step (mesh dim(size, link) kind dtype)   {'count':>7} {'bucketed':>8} "
@@ -409,7 +421,9 @@ def format_report(r: dict[str, Any]) -> str:
         f"    pipeline bubble            {ts['pipeline_bubble'] * 1e3:>10.1f} ms",
         f"    optimizer step             {ts['optimizer'] * 1e3:>10.1f} ms",
         f"    step                       {ts['step'] * 1e3:>10.1f} ms",
-        f"  predicted: {r['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, MFU {100 * r['mfu']:.1f}%  "
+        f"  roofline: {r['roofline_tokens_per_second_per_gpu']:,.0f} tokens/s/GPU; predicted (x "
+        f"{r['tokens_per_second_per_gpu'] / r['roofline_tokens_per_second_per_gpu']:.3f}, fitted): "
+        f"{r['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, MFU {100 * r['mfu']:.1f}%  "
         f"(traced in {r['trace_seconds']:.1f} s)",
     ]
     return "\n".join(lines)
