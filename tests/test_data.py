@@ -451,3 +451,35 @@ def test_unreadable_files_are_one_line_naming_them(tmp_path: Path, tokenizer: To
         loader(tokenizer, cache, dataset="json", dataset_path=str(bad), seq_len=4, global_rows=1, local_batch_size=1)
     assert "\n" not in str(error.value)
     assert not [p for p in cache.iterdir() if ".partial-" in p.name]  # nothing half-written left
+
+
+# ------------------------------------------------------------------------------------- ranks and builds
+
+
+def _open_on_ranks(rank: int, world_size: int, data: str, cache: str) -> tuple:
+    """Each rank opens the store of ``data`` in an empty ``cache``: rank 0 builds it, rank 1 waits."""
+    from titan_simple.errors import UserError
+
+    tokenizer = Tokenizer(str(ASSET_TOKENIZER))
+    try:
+        dl = build_dataloader(dataset="json", dataset_path=data, tokenizer=tokenizer, seq_len=16, local_batch_size=2,
+                              dp_rank=rank, dp_world_size=world_size, cache=Path(cache), shuffle_seed=0)
+    except UserError as error:
+        return type(error).__name__, str(error)
+    return "ok", next(iter(dl))[0].tolist(), str(dl.dataset.index.store.folder)
+
+
+@pytest.mark.slow
+def test_rank_zero_builds_while_the_others_wait_and_share_its_failure(tmp_path: Path) -> None:
+    from tests.distributed_utils import run_on_ranks
+
+    data = write_jsonl(tmp_path / "docs.jsonl", DOCUMENTS * 20)
+    results = run_on_ranks(_open_on_ranks, 2, args=(str(data), str(tmp_path / "cache")))
+    assert [r[0] for r in results] == ["ok", "ok"] and results[0][2] == results[1][2]
+    assert results[0][1] != results[1][1]  # each rank its own rows of the same store
+    assert len([p for p in (tmp_path / "cache").iterdir() if p.name.startswith("tokens-")]) == 1
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    results = run_on_ranks(_open_on_ranks, 2, args=(str(empty), str(tmp_path / "cache")))
+    assert results[0] == results[1] == ("ConfigError", f"[training] dataset_path {empty} holds no documents; "
+                                                          "point it at your data")

@@ -11,7 +11,7 @@ over the global token count (times the dp degree for FSDP2, which averages), as 
 The single-process reference is the same recipe with world size 1 (nothing wrapped, eager), computed once.
 
 Two spawned jobs run all multi-process checks, so processes start once per job: 2 ranks (fully_shard and
-replicate, eager + compiled; FSDP2 eager) and 4 ranks (fully_shard and hybrid_shard 2x2, eager + compiled).
+replicate, eager + compiled; FSDP2 eager) and 4 ranks (fully_shard eager, hybrid_shard 2x2 eager + compiled).
 Nearly all of the time is Inductor compiling the model once per compiled layout on every rank.
 
 Measured on 2 CPU cores (torch 2.13), largest relative difference from the reference over the 10 steps:
@@ -91,8 +91,9 @@ TWO_RANK_CONFIGS = {
 }
 HYBRID = ("--parallelism.data_parallel_replicate_degree=2", "--parallelism.data_parallel_shard_degree=2")
 FOUR_RANK_CONFIGS = {
+    # Compiled on 4 ranks: hybrid_shard only (fully_shard compiled is checked on 2 ranks; one 4-rank compile less
+    # keeps the suite under 20 minutes on 2 cores).
     "fully_shard/eager": (("--parallelism.data_parallel_shard_degree=4",), False),
-    "fully_shard/compiled": (("--parallelism.data_parallel_shard_degree=4", *COMPILE), False),
     "hybrid_shard/eager": (HYBRID, True),
     "hybrid_shard/compiled": ((*HYBRID, *COMPILE), False),
 }
@@ -142,9 +143,8 @@ def test_replicate_2_ranks(two_ranks, reference, backend):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["eager", "compiled"])
-def test_fully_shard_4_ranks(four_ranks, reference, backend):
-    _assert_parity(four_ranks, f"fully_shard/{backend}", reference, EAGER_RTOL if backend == "eager" else COMPILED_RTOL)
+def test_fully_shard_4_ranks(four_ranks, reference):
+    _assert_parity(four_ranks, "fully_shard/eager", reference, EAGER_RTOL)
 
 
 @pytest.mark.slow

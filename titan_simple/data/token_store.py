@@ -48,6 +48,9 @@ META_FILE = "meta.json"
 # Below this much source text one process tokenizes faster than a pool of them starts.
 PARALLEL_BUILD_MIN_BYTES = 64 << 20
 WAIT_POLL_SECONDS = 0.2
+# A failure file older than this process is an earlier run's. (Rank 0 can only fail after the process group's
+# rendezvous, which every rank reaches after importing this module.)
+_IMPORTED_AT = time.time()
 
 
 @dataclass(frozen=True)
@@ -155,9 +158,8 @@ def _wait_for(folder: Path, source: StoreSource) -> None:
     """Wait while rank 0 builds; its failure (written next to the store) fails here too, in the same words."""
     failed = folder.with_name(folder.name + ".failed")
     logger.info("data: waiting for rank 0 to tokenize %s into %s", source.where, folder)
-    waiting_since = time.time() - 2.0  # a failure file older than this is an earlier run's
     while not (folder / META_FILE).is_file():
-        if failed.is_file() and failed.stat().st_mtime >= waiting_since:
+        if failed.is_file() and failed.stat().st_mtime >= _IMPORTED_AT - 1.0:
             kind, _, message = failed.read_text().strip().partition("\t")
             raise (ConfigError if kind == "ConfigError" else DataError)(message)
         time.sleep(WAIT_POLL_SECONDS)
