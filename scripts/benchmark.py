@@ -176,15 +176,9 @@ def memory_configs() -> list[BenchConfig]:
                  ("--activation_checkpoint.selective_ac_option=op", "--training.loss_chunks=1")),
                 ("op_chunked", "every second matmul, chunked loss",
                  ("--activation_checkpoint.selective_ac_option=op", "--training.loss_chunks=8")))
-    configs = [BenchConfig(f"{mode}_{name}", f"SimpleFSDP {mode}, {label}",
-                           (*simple, f"--compile.enable={str(mode == 'compiled').lower()}", *overrides))
-               for mode in ("eager", "compiled") for name, label, overrides in variants]
-    # The compiled partitioner's memory budget ([activation_checkpoint] memory_budget), without AC.
-    return configs + [
-        BenchConfig(f"compiled_budget{name}", f"SimpleFSDP compiled, no AC, memory budget {budget}",
-                    (*simple, "--compile.enable=true", "--activation_checkpoint.mode=none",
-                     f"--activation_checkpoint.memory_budget={budget}"))
-        for name, budget in (("1", "1.0"), ("05", "0.5"), ("0", "0.0"))]
+    return [BenchConfig(f"{mode}_{name}", f"SimpleFSDP {mode}, {label}",
+                        (*simple, f"--compile.enable={str(mode == 'compiled').lower()}", *overrides))
+            for mode in ("eager", "compiled") for name, label, overrides in variants]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -112,35 +112,3 @@ def test_selective_op_ac_never_reruns_a_tensor_parallel_collective(tmp_path):
     full = _tp_collectives(tmp_path, "--activation_checkpoint.mode=full")
     assert sum(n for key, n in full.items() if key[0] == "tp") > sum(tp.values())
 
-
-def _train_with_budget(rank: int, world_size: int, budgets: tuple[str, ...]) -> dict:
-    """SimpleFSDP fully_shard on 2 ranks, compiled: the losses and the bytes saved for backward of each budget."""
-    recipe = Recipe(global_batch=4, seq_len=64, steps=3)
-    results = {}
-    for budget in budgets:
-        torch.manual_seed(0)
-        torch._dynamo.reset()
-        layout = build_layout(recipe.config("--training.local_batch_size=2", "--compile.enable",
-                                            f"--activation_checkpoint.memory_budget={budget}"), world_size)
-        saved: list[int] = []
-
-        def pack(t: torch.Tensor, saved: list[int] = saved) -> torch.Tensor:
-            saved.append(t.numel() * t.element_size())
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            losses = train_steps(layout, recipe)["losses"]
-        results[budget] = {"losses": losses, "saved_bytes": sum(saved)}
-    return results
-
-
-@pytest.mark.slow
-def test_compiled_memory_budget_composes_with_simple_fsdp_and_saves_less():
-    """The partitioner's memory budget with SimpleFSDP's reshard-after-forward (its all-gathers are tagged for
-    recompute): the same losses, fewer bytes saved for backward (measured: 1.0 -> 0.0 is about -35%)."""
-    from tests.distributed_utils import run_on_ranks_retrying_aborts
-
-    results = run_on_ranks_retrying_aborts(_train_with_budget, 2, args=(("1.0", "0.0"),))
-    for rank in results:
-        assert rank["0.0"]["losses"] == pytest.approx(rank["1.0"]["losses"], rel=1e-6)
-        assert rank["0.0"]["saved_bytes"] < 0.8 * rank["1.0"]["saved_bytes"]

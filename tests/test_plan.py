@@ -177,21 +177,10 @@ def test_plan_decides_compile_loss_and_gather_modes_together(world, overrides, e
      r"\[validation\] local_batch_size = 1 must be a multiple"),
     (2, ("--parallelism.fsdp_gather=once_per_step", "--parallelism.fsdp_implementation=fsdp2"), "needs SimpleFSDP"),
     (2, ("--model.flavor=7B",), "flavor '7B' is unknown"),
-    (2, ("--activation_checkpoint.memory_budget=0.5",), r"memory_budget = 0.5 needs --compile.enable"),
-    (2, ("--activation_checkpoint.memory_budget=0.5", "--compile.enable", "--compile.backend=aot_eager"),
-     "with the inductor backend"),
-    (2, ("--activation_checkpoint.memory_budget=1.5", "--compile.enable"), "is not between 0 and 1"),
 ])
 def test_resolving_raises_every_check_that_needs_no_communication(world, overrides, message):
     with pytest.raises(ConfigError, match=message):
         resolve_plan(_config(*overrides), world, "cpu")
-
-
-def test_memory_budget_goes_to_the_compile_plan_only_below_one():
-    assert resolve_plan(_config("--compile.enable"), 2, "cpu").compile.memory_budget is None
-    run = resolve_plan(_config("--compile.enable", "--activation_checkpoint.memory_budget=0.25"), 2, "cpu")
-    assert run.compile.memory_budget == 0.25
-    assert any("compiled memory budget 0.25" in line for line in run.describe())
 
 
 def test_steps_built_by_the_parity_helper_and_the_dry_run_use_the_trainers_autocast_and_loss(monkeypatch):

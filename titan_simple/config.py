@@ -178,11 +178,6 @@ class ActivationCheckpoint:
         "w1, w2; TorchTitan's trade-off) and recomputes the rest; 'op_all_matmuls' saves every matmul output "
         "(less recompute, more memory); an integer N checkpoints every N-th block fully."
     )
-    memory_budget: float = option(
-        1.0, "Compiled runs (inductor): the share of the compiled graph's saved activations to keep, from 1.0 "
-        "(off: the partitioner's speed-first choice) down to 0.0 (recompute all it can); the partitioner picks the "
-        "cheapest recomputation that fits. Ops the AC mode or SimpleFSDP already decide stay as decided."
-    )
 
 
 @dataclass

@@ -154,7 +154,6 @@ class CompilePlan:
     manual_plan: tuple[str | tuple[str, ...], ...] = ()
     reorder: bool = True
     dump_folder: str | None = None
-    memory_budget: float | None = None  # [activation_checkpoint] memory_budget below 1 (inductor only)
 
     @property
     def enabled(self) -> bool:
@@ -170,28 +169,7 @@ class CompilePlan:
         names the submodule holding the transformer blocks when ``module`` wraps the model."""
         return compile_model(module, backend=self.backend, bucketing=self.bucketing,
                              manual_plan=self.manual_plan or None, reorder=self.reorder,
-                             dump_folder=self.dump_folder, plan_root=plan_root, memory_budget=self.memory_budget)
-
-    def compile_block(self, block: nn.Module) -> None:
-        """Compile one transformer block on its own (``per_block``)."""
-        if self.memory_budget is not None:
-            with_activation_memory_budget(block, self.memory_budget)
-        block.compile(backend=self.backend, fullgraph=True)
-
-
-def with_activation_memory_budget(module: nn.Module, budget: float) -> None:
-    """Trace ``module``'s forward under ``torch.autograd.graph.region_activation_memory_budget(budget)``: the
-    min-cut partitioner then saves at most ``budget`` of the activations it would save by default, recomputing
-    the cheapest rest (a knapsack over runtime). Nodes that checkpoint policies tag (our selective AC, SimpleFSDP's
-    recomputed all-gathers) keep their tags; the budget decides among the others. The annotation must cover the
-    whole compiled forward, hence the wrapped ``forward`` (torch 2.13 rejects a partial one)."""
-    forward = module.forward
-
-    def budgeted_forward(*args: Any, **kwargs: Any) -> Any:
-        with torch.autograd.graph.region_activation_memory_budget(budget):
-            return forward(*args, **kwargs)
-
-    module.forward = budgeted_forward
+                             dump_folder=self.dump_folder, plan_root=plan_root)
 
 
 def compile_model(
@@ -204,7 +182,6 @@ def compile_model(
     dump_folder: str | None = None,
     fullgraph: bool = True,
     plan_root: str = "",
-    memory_budget: float | None = None,
 ) -> CommPlanRecorder | None:
     """Compile ``model`` in place with the given collective bucketing / reordering; return the comm-plan
     recorder (``None`` for non-Inductor backends, which run no Inductor passes).
@@ -249,8 +226,6 @@ def compile_model(
             "compile: CPU runtime model: collective %.3f ms + bytes / %.1f MB/s, matmul %.1f GFLOP/s",
             estimator.latency_ms, estimator.bytes_per_ms / 1e3, estimator.flops_per_ms / 1e6,
         )
-    if memory_budget is not None:
-        with_activation_memory_budget(model, memory_budget)
     settings = {"bucketing": bucketing, "reorder": reorder, "plan": plan}
     recorder = CommPlanRecorder(dump_folder, settings)
     options = {"post_grad_custom_post_pass": _OverlapPass(bucketing, plan, reorder, cpu, estimator, recorder)}

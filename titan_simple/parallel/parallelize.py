@@ -56,7 +56,7 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh | None, plan: ParallelP
 
     if plan.compile.mode == "per_block":
         for block in model.layers.values():
-            plan.compile.compile_block(block)
+            block.compile(backend=plan.compile.backend, fullgraph=True)
 
     if dims.dp_enabled:
         if plan.fsdp_implementation == "simple":

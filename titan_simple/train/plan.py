@@ -134,8 +134,6 @@ class RunPlan:
             lines.append(f"  pipeline: {plan.schedule}, {plan.num_stages} stages of {layers} layers "
                          f"({plan.num_stages // plan.pp} per pp rank), {plan.n_microbatches} microbatches")
         ac = parallel.ac_mode + (f" ({parallel.ac_option})" if parallel.ac_mode == "selective" else "")
-        if self.compile.memory_budget is not None:
-            ac += f", compiled memory budget {self.compile.memory_budget:g}"
         loss = "loss parallel" if self.loss.parallel else "cross-entropy"
         chunks = f" in {self.loss.chunks} chunks" if self.loss.chunks > 1 else ""
         lines.append(f"  activation checkpointing: {ac} | loss: {loss}{chunks}"
@@ -181,7 +179,6 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
         mode=compile_mode, backend=compile_config.backend, bucketing=compile_config.bucketing,
         manual_plan=tuple(p if isinstance(p, str) else tuple(p) for p in compile_config.manual_bucketed_modules),
         reorder=compile_config.reorder, dump_folder=config.job.dump_folder,
-        memory_budget=choose_memory_budget(config, compile_mode),
     )
     loss_parallel = uses_loss_parallel(config, dims)
     ac = config.activation_checkpoint
@@ -355,22 +352,6 @@ def choose_compile_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str
             )
         return "per_block"
     return "whole_with_loss" if dims.pp == 1 and dims.tp == 1 else "whole"
-
-
-def choose_memory_budget(config: JobConfig, compile_mode: str) -> float | None:
-    """``[activation_checkpoint] memory_budget`` below 1, or None (off). It is a knob of the min-cut partitioner
-    that Inductor compiles with: an eager run or the aot_eager backend has nothing to apply it to."""
-    budget = config.activation_checkpoint.memory_budget
-    if not 0.0 <= budget <= 1.0:
-        raise ConfigError(f"[activation_checkpoint] memory_budget = {budget} is not between 0 and 1; 1 keeps what "
-                          "the compiler saves by default, 0 recomputes all it can")
-    if budget == 1.0:
-        return None
-    if compile_mode == "off" or config.compile.backend != "inductor":
-        raise ConfigError(f"[activation_checkpoint] memory_budget = {budget} needs --compile.enable with the "
-                          "inductor backend (it steers the compiler's partitioner); eager runs save memory with "
-                          "[activation_checkpoint] mode = selective or full")
-    return budget
 
 
 def choose_loss_chunks(config: JobConfig, compile_mode: str, reasons: dict[str, str] | None = None) -> int:
