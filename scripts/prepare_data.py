@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from titan_simple.config import load_job_config, resolve_project_path  # noqa: E402
-from titan_simple.data.datasets import default_cache, open_store  # noqa: E402
+from titan_simple.data.datasets import data_cache_folder, open_store  # noqa: E402
 from titan_simple.data.tokenizer import Tokenizer  # noqa: E402
 from titan_simple.errors import UserError  # noqa: E402
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_job_config(rest)
         tokenizer = Tokenizer(resolve_project_path(config.model.tokenizer_path))
-        cache = Path(config.training.data_cache).expanduser() if config.training.data_cache else default_cache()
+        cache = data_cache_folder(config.training.data_cache)
         wanted = [("train", config.training.dataset, config.training.dataset_path)]
         if config.validation.enable:
             wanted.append(("validation", config.validation.dataset, config.validation.dataset_path))

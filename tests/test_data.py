@@ -372,12 +372,15 @@ def test_text_files_are_whole_documents(tmp_path: Path, tokenizer: Tokenizer, ca
 def test_one_text_file_trains_with_any_batch(tmp_path: Path, tokenizer: Tokenizer, cache: Path) -> None:
     book = tmp_path / "book.txt"
     book.write_text("".join(path.read_text() for path in shakespeare_files("validation")[:2]))
-    for dp in (1, 2):
-        for local_batch in (1, 3, 8):
-            batches = [take(iter(loader(tokenizer, cache, dataset_path=str(book), seq_len=128, dp_rank=r,
-                                        dp_world_size=dp, local_batch_size=local_batch, shuffle_seed=0)), 2)
-                       for r in range(dp)]
-            assert all(b[0].shape == (local_batch, 128) for rank in batches for b in rank)
+    for local_batch in (1, 3, 8):  # 2 ranks x local_batch rows = 1 rank x 2 local_batch rows, row for row
+        one = take(iter(loader(tokenizer, cache, dataset_path=str(book), seq_len=128,
+                               local_batch_size=2 * local_batch, shuffle_seed=0)), 2)
+        two = [take(iter(loader(tokenizer, cache, dataset_path=str(book), seq_len=128, dp_rank=r, dp_world_size=2,
+                                local_batch_size=local_batch, shuffle_seed=0)), 2) for r in range(2)]
+        for step in range(2):
+            assert one[step][0].shape == (2 * local_batch, 128)
+            assert torch.equal(torch.cat([two[0][step][0], two[1][step][0]]), one[step][0])
+            assert torch.equal(torch.cat([two[0][step][1], two[1][step][1]]), one[step][1])
 
 
 def test_compressed_jsonl_glob_and_parquet(tmp_path: Path, tokenizer: Tokenizer, cache: Path) -> None:

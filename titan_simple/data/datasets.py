@@ -194,8 +194,11 @@ def owned_rows(rows: int, dp_rank: int, dp_size: int) -> range:
     return range(dp_rank * per_rank, (dp_rank + 1) * per_rank)
 
 
-def default_cache() -> Path:
-    """``$XDG_CACHE_HOME/titan_simple/token_store`` (``~/.cache`` without it): shared by every job of a user."""
+def data_cache_folder(setting: str | None) -> Path:
+    """``[training] data_cache``, or ``$XDG_CACHE_HOME/titan_simple/token_store`` (``~/.cache`` without it):
+    shared by every job of a user."""
+    if setting:
+        return Path(setting).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "titan_simple" / "token_store"
 
@@ -206,7 +209,7 @@ def open_store(*, dataset: str, dataset_path: str | None, split: str, tokenizer:
     reader, files, where = resolve_files(dataset, dataset_path, split)
     source = StoreSource(reader=reader, files=tuple(files), tokenizer_path=tokenizer.path, where=where)
     builds = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-    return open_or_build(source, tokenizer, cache or default_cache(), builds=builds, num_proc=num_proc), where
+    return open_or_build(source, tokenizer, cache or data_cache_folder(None), builds=builds, num_proc=num_proc), where
 
 
 # ------------------------------------------------------------------------------------------- samples

@@ -89,10 +89,9 @@ class SampleIndex:
         window = self._window(index)
         (position, offset), (end_position, end_offset) = self._starts[window], self._starts[window + 1]
         offsets, pieces = self.store.offsets, []
-        for k in range(int(position), int(end_position) + 1):
-            document = int(self._order[k]) if k < len(self._order) else None
-            if document is None:
-                break
+        # The last window of an epoch ends at (len(order), 0): one past the last document.
+        for k in range(int(position), min(int(end_position), len(self._order) - 1) + 1):
+            document = int(self._order[k])
             start = int(offsets[document]) + (int(offset) if k == position else 0)
             stop = int(offsets[document]) + int(end_offset) if k == end_position else int(offsets[document + 1])
             if stop > start:

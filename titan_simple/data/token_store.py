@@ -194,7 +194,7 @@ def build(source: StoreSource, tokenizer: Any, key: dict[str, Any], folder: Path
     num_proc = num_proc or default_build_processes(source.total_bytes())
     started = time.perf_counter()
     try:
-        documents, tokens = _tokenize_into(partial, source, tokenizer, num_proc)
+        documents, tokens = _tokenize_into(partial, source, tokenizer, num_proc, fingerprint=folder.name)
         (partial / META_FILE).write_text(json.dumps(
             {"key": key, "documents": documents, "tokens": tokens, "built_by": f"{socket.gethostname()}:"
              f"{os.getpid()}", "build_seconds": round(time.perf_counter() - started, 2)}, indent=1))
@@ -225,7 +225,8 @@ def default_build_processes(total_bytes: int) -> int:
     return max(1, min(8, len(os.sched_getaffinity(0))))
 
 
-def _tokenize_into(partial: Path, source: StoreSource, tokenizer: Any, num_proc: int) -> tuple[int, int]:
+def _tokenize_into(partial: Path, source: StoreSource, tokenizer: Any, num_proc: int,
+                   fingerprint: str) -> tuple[int, int]:
     """Read and tokenize with ``datasets``; write ``tokens.bin`` and ``offsets.npy``. Returns (documents, tokens)."""
     from titan_simple.data.documents import load_documents_to_disk  # noqa: PLC0415
 
@@ -242,7 +243,7 @@ def _tokenize_into(partial: Path, source: StoreSource, tokenizer: Any, num_proc:
         with datasets_progress_bars(enabled=True):
             ids = documents.map(encode, batched=True, batch_size=256, num_proc=num_proc if num_proc > 1 else None,
                                 remove_columns=documents.column_names, desc=f"tokenizing {source.where}",
-                                new_fingerprint=f"tokenize-{store_name(source.key())}",
+                                new_fingerprint=f"tokenize-{fingerprint}",
                                 cache_file_name=str(scratch / "ids.arrow"))
     finally:
         if previous is None:

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from titan_simple.config import JobConfig
-from titan_simple.data.datasets import default_cache
+from titan_simple.data.datasets import data_cache_folder
 from titan_simple.errors import ConfigError
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, ModelArgs, build_model
 from titan_simple.parallel.compile import CompilePlan
@@ -190,7 +190,7 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     )
     data = DataOrder(global_rows=training.local_batch_size * dims.dp * accumulation,
                      shuffle_seed=training.seed if training.shuffle else None,
-                     cache=Path(training.data_cache).expanduser() if training.data_cache else default_cache())
+                     cache=data_cache_folder(training.data_cache))
     return RunPlan(
         config=config, dims=dims, device_type=device_type, model_args=model_args, pipeline=pipeline,
         accumulation_steps=accumulation, precision=precision, gather_mode=gather, parallel=parallel,
