@@ -106,6 +106,10 @@ def test_405b_on_512_ranks_completes_and_fits(tmp_path):  # ~8 s on a quiet mach
     assert report["tokens_per_second_per_gpu"] > 0
     dims = {c["mesh_dim"] for c in report["collectives_per_step"]}
     assert dims == {"dp_shard", "tp", "pp"}
+    # The shipped config runs async TP: the fused TP collectives are priced as overlapping their matmuls.
+    assert report["async_tensor_parallel"]["fused_collectives_per_pass"] > 0
+    times = report["time_seconds"]
+    assert 0 < times["tensor_parallel_and_other_comm_exposed"] < times["tensor_parallel_and_other_comm"]
 
 
 def test_world_size_that_does_not_match_the_degrees_is_one_error_line(tmp_path):

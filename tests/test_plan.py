@@ -24,12 +24,12 @@ PLAN_FILE = REPO / "titan_simple" / "train" / "plan.py"
 DECISIONS = (
     "model_args_for", "plan_pipeline", "accumulation_steps", "choose_gather_mode", "choose_precision",
     "cpu_has_native_bf16", "choose_compile_mode", "uses_loss_parallel", "choose_reshard_after_forward",
-    "plan_validation", "choose_loss_chunks",
+    "plan_validation", "choose_loss_chunks", "choose_async_tensor_parallel",
 )
 # Config keys that feed a decision: read only by config.py and the plan.
 DECISION_KEYS = {
     "parallelism": {"fsdp_gather", "fsdp_reshard_after_forward", "fsdp_implementation", "disable_loss_parallel",
-                    "pipeline_parallel_schedule"},
+                    "pipeline_parallel_schedule", "enable_async_tensor_parallel"},
     "training": {"mixed_precision_param", "mixed_precision_reduce", "global_batch_size", "shuffle"},
     "activation_checkpoint": {"mode", "selective_ac_option"},
     "compile": {"enable", "bucketing", "reorder", "backend", "manual_bucketed_modules"},

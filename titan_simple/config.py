@@ -130,6 +130,12 @@ class Parallelism:
         False, "With tensor parallel, all-gather the full logits for the loss instead of computing the "
         "cross-entropy on vocab-sharded logits (loss parallel, the default: less memory and traffic)."
     )
+    enable_async_tensor_parallel: bool = option(
+        False, "Async tensor parallel (compiled, NVIDIA GPUs): Inductor splits each tensor-parallel all-gather "
+        "before a matmul and each reduce-scatter after one into per-rank chunks over symmetric memory, so the "
+        "transfer overlaps the matmul instead of waiting for it. Needs [compile] enable with the inductor "
+        "backend and tensor_parallel_degree > 1."
+    )
     pipeline_parallel_degree: int = option(1, "Pipeline-parallel degree.")
     pipeline_parallel_schedule: str = option(
         "1F1B", "Pipeline schedule. GPipe and 1F1B run 1 stage per pp rank; Interleaved1F1B, LoopedBFS and "

@@ -45,6 +45,7 @@ from titan_simple.parallel.comm_plan import COLLECTIVE_KINDS, CommPlanRecorder
 from titan_simple.parallel.cpu_cost_model import CpuRuntimeEstimator, cpu_roofline
 from titan_simple.parallel.torch_private import (
     CustomGraphPass,
+    async_tensor_parallel_options,
     manual_bucketing_only,
     manual_overlap_bucketing,
     schedule_overlap_bucketing,
@@ -154,6 +155,12 @@ class CompilePlan:
     manual_plan: tuple[str | tuple[str, ...], ...] = ()
     reorder: bool = True
     dump_folder: str | None = None
+    async_tensor_parallel: bool = False  # Inductor's micro-pipelined TP (CUDA only; train/plan.py checks)
+
+    def inductor_options(self) -> dict[str, Any]:
+        """The Inductor settings of this compile that do not depend on the graph (``compile_model`` adds its
+        post-grad pass): async tensor parallel's pass."""
+        return async_tensor_parallel_options() if self.async_tensor_parallel and self.backend == "inductor" else {}
 
     @property
     def enabled(self) -> bool:
@@ -169,7 +176,14 @@ class CompilePlan:
         names the submodule holding the transformer blocks when ``module`` wraps the model."""
         return compile_model(module, backend=self.backend, bucketing=self.bucketing,
                              manual_plan=self.manual_plan or None, reorder=self.reorder,
-                             dump_folder=self.dump_folder, plan_root=plan_root)
+                             dump_folder=self.dump_folder, plan_root=plan_root,
+                             extra_options=self.inductor_options())
+
+    def compile_block(self, block: nn.Module) -> None:
+        """Compile one transformer block in place (``per_block`` mode): no collective passes, only the
+        graph-independent options."""
+        options = self.inductor_options()
+        block.compile(backend=self.backend, fullgraph=True, **({"options": options} if options else {}))
 
 
 def compile_model(
@@ -182,6 +196,7 @@ def compile_model(
     dump_folder: str | None = None,
     fullgraph: bool = True,
     plan_root: str = "",
+    extra_options: dict[str, Any] | None = None,
 ) -> CommPlanRecorder | None:
     """Compile ``model`` in place with the given collective bucketing / reordering; return the comm-plan
     recorder (``None`` for non-Inductor backends, which run no Inductor passes).
@@ -189,8 +204,9 @@ def compile_model(
     ``bucketing``: ``none`` | ``transformer_block`` | ``auto``. ``manual_plan`` overrides the
     ``transformer_block`` plan (one entry per bucket: a module FQN or a list of FQNs). ``dump_folder``: where
     ``comm_plan.json`` / ``.txt`` go (rank 0). ``plan_root``: the submodule holding the transformer blocks when
-    ``model`` wraps the model (plan entries are then prefixed with it). Must be called on every rank (the CPU
-    estimator calibrates with collectives).
+    ``model`` wraps the model (plan entries are then prefixed with it). ``extra_options``: more Inductor settings
+    for this compile (``CompilePlan.inductor_options``). Must be called on every rank (the CPU estimator
+    calibrates with collectives).
     """
     if bucketing not in BUCKETING_MODES:
         raise ValueError(f"compile_model: bucketing must be one of {BUCKETING_MODES}, got {bucketing!r}.")
@@ -228,6 +244,7 @@ def compile_model(
         )
     settings = {"bucketing": bucketing, "reorder": reorder, "plan": plan}
     recorder = CommPlanRecorder(dump_folder, settings)
-    options = {"post_grad_custom_post_pass": _OverlapPass(bucketing, plan, reorder, cpu, estimator, recorder)}
+    options = {**(extra_options or {}),
+               "post_grad_custom_post_pass": _OverlapPass(bucketing, plan, reorder, cpu, estimator, recorder)}
     model.compile(backend=backend, fullgraph=fullgraph, options=options)
     return recorder

@@ -21,6 +21,7 @@ from titan_simple.parallel.dims import ParallelDims, dp_mesh
 from titan_simple.parallel.fsdp2 import apply_fsdp2
 from titan_simple.parallel.simple_fsdp import MixedPrecisionPolicy, data_parallel
 from titan_simple.parallel.tensor_parallel import apply_tensor_parallel, keep_gradient_layouts
+from titan_simple.parallel.torch_private import enable_symmetric_memory
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,9 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh | None, plan: ParallelP
     dims = plan.dims
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"], loss_parallel=plan.loss_parallel)
+        if plan.compile.async_tensor_parallel:
+            # Inductor fuses a TP collective with its matmul only on groups with symmetric memory enabled.
+            enable_symmetric_memory(mesh["tp"].get_group().group_name)
         if not dims.dp_enabled:
             keep_gradient_layouts(model)  # the data-parallel wrappers would otherwise do it
 
@@ -56,7 +60,7 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh | None, plan: ParallelP
 
     if plan.compile.mode == "per_block":
         for block in model.layers.values():
-            block.compile(backend=plan.compile.backend, fullgraph=True)
+            plan.compile.compile_block(block)
 
     if dims.dp_enabled:
         if plan.fsdp_implementation == "simple":

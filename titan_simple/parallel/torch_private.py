@@ -14,17 +14,24 @@ Where a private API is a method or a config key, a small function wraps it.
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch._functorch.config as functorch_config
 import torch._inductor.config as inductor_config
 import torch._ops
+import torch.distributed._symmetric_memory as symmetric_memory
 import torch.distributed.tensor.placement_types as placement_types
 import torch.utils._pytree as pytree
 import torch.utils._runtime_estimation as runtime_estimation
 from torch._inductor import custom_graph_pass
 from torch._inductor import utils as inductor_utils
-from torch._inductor.fx_passes import control_dependencies, overlap_manual_scheduling, overlap_scheduling
+from torch._inductor.fx_passes import (
+    control_dependencies,
+    micro_pipeline_tp,
+    overlap_manual_scheduling,
+    overlap_scheduling,
+)
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _python_dispatch
 
@@ -84,6 +91,20 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
     (DeviceMesh, "_get_root_mesh", "simple_fsdp.py: the world mesh a dp mesh was sliced from (dp x tp)"),
     (placement_types, "_StridedShard",
      "simple_fsdp.py: the dp placement of a TP-sharded dim (the only spelling in torch 2.13)"),
+    (inductor_config, "_micro_pipeline_tp",
+     "async tensor parallel (compile.py): the switch of Inductor's micro-pipelined TP pass"),
+    (symmetric_memory, "enable_symm_mem_for_group",
+     "async tensor parallel (parallelize.py): the pass fuses only on groups registered here"),
+    (symmetric_memory, "is_symm_mem_enabled_for_group",
+     "async tensor parallel: what the pass checks before it fuses (tests)"),
+    (micro_pipeline_tp, "find_all_gather_patterns",
+     "async_tensor_parallel_matches: the all-gather -> matmul pairs the pass would fuse"),
+    (micro_pipeline_tp, "find_reduce_scatter_patterns",
+     "async_tensor_parallel_matches: the matmul -> reduce-scatter pairs the pass would fuse"),
+    (micro_pipeline_tp, "_find_consumer_matmuls",
+     "async_tensor_parallel_matches: whether a gathered activation feeds a matmul"),
+    (micro_pipeline_tp, "_find_producer_matmul",
+     "async_tensor_parallel_matches: whether a reduce-scatter's input is a matmul's output"),
 )
 
 
@@ -112,3 +133,31 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh ``mesh`` was sliced from (``DeviceMesh._get_root_mesh``)."""
     return mesh._get_root_mesh()
+
+
+def async_tensor_parallel_options() -> dict[str, bool]:
+    """The Inductor setting (for ``torch.compile(options=...)``, so it applies to that compile only) that runs
+    the micro-pipelined tensor-parallel pass: each all-gather feeding matmuls and each reduce-scatter fed by a
+    matmul becomes a fused symmetric-memory kernel that overlaps the transfer with the matmul, chunk by chunk.
+    The pass fuses nothing without NCCL, so on CPU it only finds the patterns."""
+    return {"_micro_pipeline_tp": True}
+
+
+def enable_symmetric_memory(group_name: str) -> None:
+    """Register ``group_name`` for symmetric memory. torch 2.13 marks ``enable_symm_mem_for_group`` deprecated
+    ("no need to call"), yet its micro-pipelined TP pass still fuses only on groups it registered
+    (``is_symm_mem_enabled_for_group``), so we call it and silence that one deprecation warning."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*enable_symm_mem_for_group.*", category=FutureWarning)
+        symmetric_memory.enable_symm_mem_for_group(group_name)
+
+
+def async_tensor_parallel_matches(graph: torch.fx.Graph) -> tuple[int, int]:
+    """How many all-gathers feeding matmuls and reduce-scatters fed by a matmul a post-grad ``graph`` holds, as
+    Inductor's async-TP pass finds them (its pattern finders and its consumer / producer matmul searches), without
+    fusing anything: what the pass would fuse on GPUs."""
+    gathers = [m for m in micro_pipeline_tp.find_all_gather_patterns(graph)
+               if micro_pipeline_tp._find_consumer_matmuls(m.res_node)]
+    reduces = [m for m in micro_pipeline_tp.find_reduce_scatter_patterns(graph)
+               if micro_pipeline_tp._find_producer_matmul(m.input_node) is not None]
+    return len(gathers), len(reduces)

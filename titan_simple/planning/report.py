@@ -20,7 +20,8 @@ weights, logits, the foreach optimizer's temporaries) plus the other in-flight m
 * overlap: data-parallel collectives are hidden behind compute when the compiled graph reorders them
   (``[compile] reorder`` or ``bucketing = auto``; ``[dry_run] comm_overlap`` overrides), except what exceeds
   the compute and one bucket's worth that nothing can hide; tensor-parallel collectives and pipeline
-  send/recv sit on the critical path (exposed);
+  send/recv sit on the critical path (exposed), except under async tensor parallel
+  (``async_tensor_parallel_exposed``);
 * pipeline bubble: ``(pp - 1)`` stage passes for GPipe / 1F1B, ``(pp - 1)`` chunk passes (1/v of a stage) for
   the interleaved / looped schedules, a third of that for the zero-bubble ones.
 
@@ -43,12 +44,15 @@ from titan_simple.parallel.dims import MESH_DIM_ORDER, ParallelDims
 from titan_simple.parallel.pipeline import PipelinePlan
 from titan_simple.planning.hardware import GIB, DeviceSpec
 from titan_simple.planning.rank_trace import RankTrace
-from titan_simple.planning.trace import OpCost
+from titan_simple.planning.trace import Collective, OpCost
 from titan_simple.train.plan import RunPlan
 
 # Share of eager elementwise memory traffic (and kernel launches) left after Inductor fuses elementwise chains:
 # a guess (a fused chain reads its inputs and writes its outputs once instead of once per op), not measured.
 COMPILED_ELEMENTWISE_FRACTION = 0.5
+# How many traced ops apart a TP collective and its matmul may be for async TP to fuse them (the ops between
+# are data movement: the sequence-parallel gather's reordering, a contiguous copy before a reduce-scatter).
+FUSE_WINDOW = 3
 DATA_PARALLEL_DIMS = ("dp_shard", "dp_replicate", "dp")
 # Traced phases whose collectives run once per step, not once per microbatch pass.
 ONCE_PER_STEP_PHASES = ("optimizer", "gather", "reduce")
@@ -164,6 +168,39 @@ def suggestion(largest: str, run: RunPlan) -> str:
             "vocab-sharded); transients are gathered weights, logits and optimizer temporaries")
 
 
+def fused_matmul_seconds(c: Collective, ops: list[OpCost], seconds_of) -> float | None:
+    """The seconds of the matmuls Inductor's async-TP pass would fuse with collective ``c``, found in the eager
+    trace as the pass finds them in a compiled graph (``torch_private.async_tensor_parallel_matches``): an
+    all-gather whose output feeds matmuls (the first op after it that is not data movement, within
+    ``FUSE_WINDOW`` ops, is a matmul; the consecutive matmuls reading it, e.g. wq, wk, wv, all count), or a
+    reduce-scatter whose input is a matmul's output (a matmul within ``FUSE_WINDOW`` ops before it, only data
+    movement after it; the sum of several matmuls, as in the backward of column-parallel layers, is more ops
+    away and not fused). ``None``: nothing to fuse with. Checked against Inductor's own count on the debug model
+    (``tests/test_async_tensor_parallel.py``)."""
+    if c.kind == "all_gather":
+        window = ops[c.next_op:c.next_op + FUSE_WINDOW]
+        start = next((c.next_op + i for i, op in enumerate(window) if op.category != "memory"), None)
+        if start is None or ops[start].category != "matmul":
+            return None
+        end = start
+        while end < len(ops) and ops[end].category == "matmul":
+            end += 1
+        return sum(seconds_of(op) for op in ops[start:end])
+    if c.kind == "reduce_scatter":
+        before = range(c.next_op - 1, max(c.next_op - 1 - FUSE_WINDOW, -1), -1)
+        last = next((i for i in before if ops[i].category != "memory"), None)
+        if last is not None and ops[last].category == "matmul":
+            return seconds_of(ops[last])
+    return None
+
+
+def async_tensor_parallel_exposed(comm_s: float, matmul_s: float, tp: int) -> float:
+    """What stays exposed of a tensor-parallel collective fused with its matmul: the transfer runs in ``tp``
+    chunks, each overlapping one chunk of the matmul, so one chunk's transfer (``1/tp``) waits, or more where
+    the transfer outlasts the matmul."""
+    return max(comm_s - matmul_s, comm_s / tp)
+
+
 def once_per_step_exposed(gathers: list[float], reduces: list[float], compute_pass: float, lazy: bool) -> float:
     """Seconds of SimpleFSDP's once-per-step gathers and reduces (``parallel/step_gather.py``) that no compute
     hides. Each reduce-scatter starts when its bucket's last gradient is complete and runs while the earlier
@@ -221,7 +258,13 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
     # ---- collectives per step
     rows: dict[tuple[str, str, str], dict[str, float]] = defaultdict(
         lambda: {"count": 0, "bytes": 0, "seconds": 0.0, "once": 0})
-    dp_comm_pass = exposed_pass = dp_once_s = 0.0
+    dp_comm_pass = exposed_pass = other_pass = dp_once_s = 0.0
+    async_tp = run.compile.async_tensor_parallel
+    fused_tp: dict[str, int] = defaultdict(int)  # per "phase kind": TP collectives async TP fuses, one pass
+
+    def seconds_of(op: OpCost) -> float:
+        return op_seconds(op, spec, compiled)
+
     once_gathers: list[float] = []  # SimpleFSDP's once-per-step collectives, in the order they start
     once_reduces: list[float] = []
     for c in trace.collectives:
@@ -241,7 +284,13 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
             (once_gathers if c.phase == "gather" else once_reduces).append(seconds)
         elif dim_name in DATA_PARALLEL_DIMS:
             dp_comm_pass += seconds
+        elif (async_tp and dim_name == "tp"
+              and (matmul_s := fused_matmul_seconds(c, trace.ops, seconds_of)) is not None):
+            fused_tp[f"{c.phase} {c.kind}"] += 1
+            other_pass += seconds
+            exposed_pass += async_tensor_parallel_exposed(seconds, matmul_s, dims.tp)
         else:
+            other_pass += seconds
             exposed_pass += seconds
     p2p_pass = 0.0
     if plan is not None:
@@ -310,6 +359,8 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
         "compiled": compiled,
         "fsdp_gather": run.gather_mode,
         "comm_overlapped": overlapped,
+        "async_tensor_parallel": ({"fused_collectives_per_pass": sum(fused_tp.values()), "fused": dict(fused_tp)}
+                                  if async_tp else None),
         "memory_bytes": {
             "parameters": trace.parameter_bytes,
             "gradients": trace.gradient_bytes,
@@ -334,6 +385,7 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
             "compute_elementwise": passes * by_category["memory"],
             "data_parallel_comm": passes * dp_comm_pass + dp_once_s,
             "data_parallel_comm_exposed": passes * dp_exposed_pass + dp_once_exposed,
+            "tensor_parallel_and_other_comm": passes * other_pass,
             "tensor_parallel_and_other_comm_exposed": passes * exposed_pass,
             "pipeline_send_recv": passes * p2p_pass,
             "pipeline_bubble": bubble,
@@ -409,6 +461,13 @@ def format_report(r: dict[str, Any]) -> str:
         label = f"{c['mesh_dim']}({c['size']},{c['link']}) {c['kind']} {c['dtype']}"
         lines.append(f"    {label:<52} {c['count']:>7} {c['count_bucketed']:>8} {_gib(c['bytes']):>14} "
                      f"{c['seconds'] * 1e3:>8.1f}ms")
+    if r.get("async_tensor_parallel"):
+        tp_line = (f"    tensor-parallel/other comm {ts['tensor_parallel_and_other_comm'] * 1e3:>10.1f} ms "
+                   f"({ts['tensor_parallel_and_other_comm_exposed'] * 1e3:.1f} ms exposed; async TP fuses "
+                   f"{r['async_tensor_parallel']['fused_collectives_per_pass']} per microbatch pass)")
+    else:
+        tp_line = (f"    tensor-parallel/other comm {ts['tensor_parallel_and_other_comm_exposed'] * 1e3:>10.1f} ms "
+                   "(exposed)")
     lines += [
         "",
         "  step time (roofline)",
@@ -416,7 +475,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"attention {ts['compute_attention'] * 1e3:.0f}, elementwise {ts['compute_elementwise'] * 1e3:.0f})",
         f"    data-parallel comm         {ts['data_parallel_comm'] * 1e3:>10.1f} ms "
         f"({ts['data_parallel_comm_exposed'] * 1e3:.1f} ms exposed)",
-        f"    tensor-parallel/other comm {ts['tensor_parallel_and_other_comm_exposed'] * 1e3:>10.1f} ms (exposed)",
+        tp_line,
         f"    pipeline send/recv         {ts['pipeline_send_recv'] * 1e3:>10.1f} ms",
         f"    pipeline bubble            {ts['pipeline_bubble'] * 1e3:>10.1f} ms",
         f"    optimizer step             {ts['optimizer'] * 1e3:>10.1f} ms",

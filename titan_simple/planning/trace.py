@@ -79,6 +79,7 @@ class Collective:
     nbytes: int  # all_gather: the gathered output; reduce_scatter / all_reduce: the input
     dtype: str
     phase: str
+    next_op: int = 0  # index in ``StepTracer.ops`` of the first op recorded after it (what it feeds / follows)
 
 
 class StepTracer(LiveStorageBytes):
@@ -123,7 +124,8 @@ class StepTracer(LiveStorageBytes):
             inputs = [t for t in tree_leaves(args[0]) if isinstance(t, torch.Tensor)]
             payload = tensors_out if kind == "all_gather" else inputs
             self.collectives.append(Collective(kind, str(args[-1]), sum(_nbytes(t) for t in payload),
-                                               str(payload[0].dtype).removeprefix("torch."), self.phase))
+                                               str(payload[0].dtype).removeprefix("torch."), self.phase,
+                                               next_op=len(self.ops)))
             return
         if func in _FREE or _is_view(func):
             return

@@ -146,7 +146,8 @@ class RunPlan:
                     "per_block": "each transformer block"}[compile_plan.mode]
             passes = (f", bucketing {compile_plan.bucketing}, reorder {'on' if compile_plan.reorder else 'off'}"
                       if compile_plan.whole_graph and compile_plan.backend == "inductor" else "")
-            lines.append(f"  compile: {what}{why('compile')}, {compile_plan.backend}{passes}")
+            async_tp = ", async TP" if compile_plan.async_tensor_parallel else ""
+            lines.append(f"  compile: {what}{why('compile')}, {compile_plan.backend}{passes}{async_tp}")
         if self.validation is not None:
             lines.append(f"  validation: every {config.validation.freq} steps, {self.validation.local_batch_size} x "
                          f"{self.validation.seq_len} per dp rank")
@@ -179,6 +180,7 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
         mode=compile_mode, backend=compile_config.backend, bucketing=compile_config.bucketing,
         manual_plan=tuple(p if isinstance(p, str) else tuple(p) for p in compile_config.manual_bucketed_modules),
         reorder=compile_config.reorder, dump_folder=config.job.dump_folder,
+        async_tensor_parallel=choose_async_tensor_parallel(config, dims, device_type),
     )
     loss_parallel = uses_loss_parallel(config, dims)
     ac = config.activation_checkpoint
@@ -352,6 +354,28 @@ def choose_compile_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str
             )
         return "per_block"
     return "whole_with_loss" if dims.pp == 1 and dims.tp == 1 else "whole"
+
+
+def choose_async_tensor_parallel(config: JobConfig, dims: ParallelDims, device_type: str) -> bool:
+    """``[parallelism] enable_async_tensor_parallel``, or the one-line error of a run it cannot apply to: it is an
+    Inductor pass over compiled graphs (the inductor backend), it fuses tensor-parallel collectives (tp > 1), and
+    its fused kernels run on symmetric memory over NCCL (CUDA). On a CPU the pass would match the patterns and
+    then fuse nothing, so a CPU run says so instead of pretending."""
+    if not config.parallelism.enable_async_tensor_parallel:
+        return False
+    missing = []
+    if dims.tp == 1:
+        missing.append("tensor_parallel_degree > 1")
+    if not config.compile.enable or config.compile.backend != "inductor":
+        missing.append("[compile] enable = true with backend = 'inductor'")
+    if device_type != "cuda":
+        missing.append(f"NVIDIA GPUs (this run is on {device_type})")
+    if missing:
+        raise ConfigError(
+            "[parallelism] enable_async_tensor_parallel = true needs " + " and ".join(missing)
+            + "; set it to false."
+        )
+    return True
 
 
 def choose_loss_chunks(config: JobConfig, compile_mode: str, reasons: dict[str, str] | None = None) -> int:
