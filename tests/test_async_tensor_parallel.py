@@ -102,3 +102,33 @@ def test_dry_run_prices_exactly_the_collectives_inductor_would_fuse(tmp_path):
     times = report["time_seconds"]
     assert times["tensor_parallel_and_other_comm_exposed"] < times["tensor_parallel_and_other_comm"]
     assert "async TP fuses 38 per microbatch pass" in proc.stdout
+
+
+def _tp_group_registered_for_symmetric_memory(rank: int, world_size: int) -> tuple[bool, bool]:
+    import dataclasses
+
+    import torch
+    import torch.distributed._symmetric_memory as symmetric_memory
+
+    from titan_simple.models.llama3 import Transformer
+    from titan_simple.parallel.parallelize import parallelize_llama
+
+    run = resolve_plan(_config(*TP2, "--training.mixed_precision_param=float32"), world_size, "cpu")
+    mesh = run.dims.build_mesh("cpu")
+    group = mesh["tp"].get_group().group_name
+    before = symmetric_memory.is_symm_mem_enabled_for_group(group)
+    # As a GPU run's plan would have it (the plan refuses async TP on CPU).
+    parallel = dataclasses.replace(run.parallel,
+                                   compile=dataclasses.replace(run.compile, async_tensor_parallel=True))
+    with torch.device("meta"):
+        model = Transformer(run.model_args)
+    parallelize_llama(model, mesh, parallel)
+    return before, symmetric_memory.is_symm_mem_enabled_for_group(group)
+
+
+def test_async_tp_registers_the_tensor_parallel_group_for_symmetric_memory():
+    """The pass fuses only on groups registered for symmetric memory (torch 2.13 checks its registry although it
+    calls the registration deprecated): the recipe registers the TP group, silently."""
+    from tests.distributed_utils import run_on_ranks
+
+    assert run_on_ranks(_tp_group_registered_for_symmetric_memory, world_size=2) == [(False, True)] * 2
