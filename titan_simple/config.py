@@ -205,6 +205,12 @@ class Compile:
         True, "Move collectives so they overlap compute: prefetch the next bucket's all-gather, defer the "
         "reduce-scatter's wait (auto bucketing always reorders)."
     )
+    cache_dir: str = option(
+        "", "Where compiled graphs and kernels are kept for the next start (torch's compile caches); '' = "
+        "<dump_folder>/compile_cache. A restart with the same model, layout, shapes and compile settings loads "
+        "them instead of compiling, and one log line after step 1 says which. On a cluster, a folder every node "
+        "can read. An explicit TORCHINDUCTOR_CACHE_DIR in the environment wins."
+    )
 
 
 @dataclass

@@ -17,10 +17,15 @@ composed in front of its old one, never a second, nested checkpoint.
 The wrapper swaps the module's class for a subclass whose ``forward`` calls the checkpoint: the module tree,
 and so every parameter name in ``state_dict()``, stays exactly as it was (torch's ``checkpoint_wrapper``
 would insert ``_checkpoint_wrapped_module.`` into every name).
+
+Compiled, the checkpoint's ``context_fn`` is part of AOTAutograd's cache key: it must carry a stable
+``cache_hash`` and pickle, or the graph is never cached (issue 21). So every policy has a ``cache_key`` that
+describes it completely, and the ``context_fn`` names its policy by that key (``_POLICIES``), not by reference.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable
 from functools import partial
 
@@ -67,12 +72,16 @@ def reshard_policy(data_parallel_group_names: Iterable[str]) -> Policy:
             return CheckpointPolicy.MUST_RECOMPUTE
         return None
 
+    policy.cache_key = f"reshard({','.join(sorted(groups))})"
     return policy
 
 
 def full_recompute_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     """Full activation checkpointing: keep only the module's inputs, recompute everything in backward."""
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+full_recompute_policy.cache_key = "full"
 
 
 def compose_policies(*policies: Policy | None) -> Callable[..., CheckpointPolicy]:
@@ -86,6 +95,8 @@ def compose_policies(*policies: Policy | None) -> Callable[..., CheckpointPolicy
                 return decision
         return CheckpointPolicy.PREFER_SAVE
 
+    # A policy without a key of its own gets one that is new in every process: never cached, never stale.
+    policy.cache_key = " | ".join(getattr(p, "cache_key", None) or f"unkeyed-{id(p)}" for p in chain)
     policy.chain = chain  # what apply_checkpoint composes a later policy with
     # A policy that counts ops (SelectiveOpPolicy) starts each checkpointed forward with a fresh count.
     policy.fresh = lambda: compose_policies(*(getattr(p, "fresh", lambda p=p: p)() for p in chain))
@@ -93,12 +104,24 @@ def compose_policies(*policies: Policy | None) -> Callable[..., CheckpointPolicy
 
 
 _CHECKPOINTED_CLASSES: dict[type, type] = {}
+_POLICIES: dict[str, Policy] = {}  # cache_key -> the composed policy it describes
+with open(__file__, "rb") as _source:  # a changed policy must never reuse a graph compiled with the old one
+    _SOURCE_HASH = hashlib.sha256(_source.read()).hexdigest()[:16]
 
 
-def _selective_contexts(policy):
+def _selective_contexts(cache_key: str):
     """The checkpoint's ``context_fn``: called once per checkpointed forward, so a counting policy starts
     fresh each time."""
-    return create_selective_checkpoint_contexts(policy.fresh(), allow_cache_entry_mutation=True)
+    return create_selective_checkpoint_contexts(_POLICIES[cache_key].fresh(), allow_cache_entry_mutation=True)
+
+
+def _context_fn(policy: Policy) -> Callable:
+    """A ``context_fn`` AOTAutograd can cache: a partial of a module-level function and a string (it pickles),
+    with ``cache_hash`` (this file's source and the policy's key)."""
+    _POLICIES.setdefault(policy.cache_key, policy)
+    context_fn = partial(_selective_contexts, policy.cache_key)
+    context_fn.cache_hash = f"{_SOURCE_HASH}:{policy.cache_key}"
+    return context_fn
 
 
 def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
@@ -111,8 +134,8 @@ def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
             # Model code mutates some saved outputs in place (rms_norm: ``mean(x^2).add_(eps)``). The cache
             # then holds the mutated value, and the in-place op itself is replayed from the cache, not
             # re-run: correct, so allow it rather than fail.
-            context_fn = partial(_selective_contexts, self._checkpoint_policy)
-            return checkpoint(original_forward, self, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+            return checkpoint(original_forward, self, *args, use_reentrant=False,
+                              context_fn=self._checkpoint_context_fn, **kwargs)
 
         _CHECKPOINTED_CLASSES[cls] = type(cls.__name__, (cls,), {"forward": forward, "_is_checkpointed": True})
     return _CHECKPOINTED_CLASSES[cls]
@@ -131,6 +154,7 @@ def apply_checkpoint(modules: nn.Module | Iterable[nn.Module], policy: Policy) -
         previous = getattr(module, "_checkpoint_policy", None)
         chain = getattr(previous, "chain", (previous,))
         module._checkpoint_policy = compose_policies(policy, *chain)
+        module._checkpoint_context_fn = _context_fn(module._checkpoint_policy)
         module.__class__ = _checkpointed_class(type(module))
 
 
@@ -174,6 +198,7 @@ class SelectiveOpPolicy:
 
     def __init__(self, every_second_matmul: bool) -> None:
         self.every_second_matmul = every_second_matmul
+        self.cache_key = "selective_op(every second matmul)" if every_second_matmul else "selective_op(all matmuls)"
         self.matmuls = 0
 
     def fresh(self) -> SelectiveOpPolicy:

@@ -16,6 +16,7 @@ import operator
 import os
 import re
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -210,11 +211,14 @@ def describe_collectives(graph: fx.Graph) -> list[dict[str, Any]]:
 class CommPlanRecorder:
     """Collects the collectives of each compiled graph (forward, backward). Each time a graph is added it
     writes ``comm_plan.json`` / ``comm_plan.txt`` under ``dump_folder``. The backward graph is compiled during
-    the first backward, so both graphs are there after the first compiled step."""
+    the first backward, so both graphs are there after the first compiled step. ``store``: where this rank
+    also keeps its plan for a later start that loads the same graphs from the compile cache (our pass does not
+    run then); ``restore()`` reads it back."""
 
-    def __init__(self, dump_folder: str | None, settings: dict[str, Any]):
+    def __init__(self, dump_folder: str | None, settings: dict[str, Any], store: Path | None = None):
         self.dump_folder = dump_folder
         self.settings = settings
+        self.store = store
         self.graphs: dict[str, list[dict[str, Any]]] = {}
 
     def add(self, graph: fx.Graph) -> None:
@@ -239,7 +243,23 @@ class CommPlanRecorder:
     def counts(self, graph: str) -> dict[str, int]:
         return dict(Counter(c["kind"] for c in self.graphs.get(graph, [])))
 
+    def restore(self) -> bool:
+        """After the first step: if no graph was recorded (they came from the compile cache), read the plan
+        kept by the start that compiled them, write it to the dump folder; whether it did."""
+        if self.graphs or self.store is None or not self.store.exists():
+            return False
+        self.graphs = json.loads(self.store.read_text())["graphs"]
+        for name, colls in self.graphs.items():
+            logger.info("comm plan %s (from the compile cache): %s", name, self.summary_line(colls))
+        self.write()
+        return True
+
     def write(self) -> None:
+        if self.store is not None:
+            self.store.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.store.with_suffix(f".partial-{os.getpid()}")
+            partial.write_text(json.dumps({"settings": self.settings, "graphs": self.graphs}))
+            partial.replace(self.store)  # atomic: a reader never sees half a plan
         if self.dump_folder is None:
             return
         if dist.is_initialized() and dist.get_rank() != 0:

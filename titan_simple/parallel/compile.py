@@ -32,16 +32,21 @@ restores them), and ``torch_private.py`` holds every private torch API used here
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import fx, nn
 
 from titan_simple.parallel.comm_plan import COLLECTIVE_KINDS, CommPlanRecorder
+from titan_simple.parallel.compile_cache import comm_plan_store
 from titan_simple.parallel.cpu_cost_model import CpuRuntimeEstimator, cpu_roofline
 from titan_simple.parallel.torch_private import (
     CustomGraphPass,
@@ -49,11 +54,15 @@ from titan_simple.parallel.torch_private import (
     manual_bucketing_only,
     manual_overlap_bucketing,
     schedule_overlap_bucketing,
+    silence_unactionable_compile_warnings,
 )
 
 logger = logging.getLogger(__name__)
 
 BUCKETING_MODES = ("none", "transformer_block", "auto")
+# The modules whose code decides what the post-grad pass does to a graph (part of its cache key).
+_PASS_SOURCES = tuple(Path(__file__).with_name(name) for name in
+                      ("compile.py", "comm_plan.py", "cpu_cost_model.py", "torch_private.py"))
 
 
 def transformer_block_plan(model: nn.Module) -> list[str | list[str]]:
@@ -77,16 +86,25 @@ def transformer_block_plan(model: nn.Module) -> list[str | list[str]]:
 
 
 class _OverlapPass(CustomGraphPass):
-    """Our post-grad pass: bucket / reorder the collectives, then record them. ``uuid()`` is ``None``: the
-    pass is not cacheable, so Inductor's FX graph cache is bypassed and the pass (and the recording) always
-    runs."""
+    """Our post-grad pass: bucket / reorder the collectives, then record them. ``uuid()`` makes the graphs it
+    shapes cacheable (Inductor's FX graph cache, and so AOTAutograd's): on a cache hit the pass does not run,
+    and the comm plan comes from the compile cache's copy (``compile_cache.py``)."""
 
     def __init__(self, bucketing: str, plan, reorder: bool, cpu: bool, estimator, recorder: CommPlanRecorder):
         self.bucketing, self.plan, self.reorder, self.cpu = bucketing, plan, reorder, cpu
         self.estimator, self.recorder = estimator, recorder
 
-    def uuid(self) -> None:
-        return None
+    def uuid(self) -> str:
+        """What decides the pass's output besides the graph: its settings, the source of every module that
+        shapes it, and the torch version. The calibrated CPU runtime model of ``auto`` bucketing changes every
+        run and only moves bucket boundaries (any bucketing computes the same values): only whether there is
+        one enters the key."""
+        settings = {"bucketing": self.bucketing, "plan": self.plan, "reorder": self.reorder, "cpu": self.cpu,
+                    "estimator": self.estimator is not None, "torch": torch.__version__}
+        digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+        for path in _PASS_SOURCES:
+            digest.update(path.read_bytes())
+        return digest.hexdigest()
 
     def __call__(self, graph: fx.Graph) -> None:
         gm = graph.owning_module
@@ -155,6 +173,10 @@ class CompilePlan:
     manual_plan: tuple[str | tuple[str, ...], ...] = ()
     reorder: bool = True
     dump_folder: str | None = None
+    # Where torch's compile caches live for this run ([compile] cache_dir; compile_cache.use_compile_cache).
+    cache_dir: str = ""
+    # Names this run's graphs for the comm plan's copy in the compile cache (train/plan.py; "" = keep none).
+    fingerprint: str = ""
     async_tensor_parallel: bool = False  # Inductor's micro-pipelined TP (CUDA only; train/plan.py checks)
 
     def inductor_options(self) -> dict[str, Any]:
@@ -177,12 +199,13 @@ class CompilePlan:
         return compile_model(module, backend=self.backend, bucketing=self.bucketing,
                              manual_plan=self.manual_plan or None, reorder=self.reorder,
                              dump_folder=self.dump_folder, plan_root=plan_root,
-                             extra_options=self.inductor_options())
+                             extra_options=self.inductor_options(), fingerprint=self.fingerprint)
 
     def compile_block(self, block: nn.Module) -> None:
         """Compile one transformer block in place (``per_block`` mode): no collective passes, only the
         graph-independent options."""
         options = self.inductor_options()
+        silence_unactionable_compile_warnings()
         block.compile(backend=self.backend, fullgraph=True, **({"options": options} if options else {}))
 
 
@@ -197,6 +220,7 @@ def compile_model(
     fullgraph: bool = True,
     plan_root: str = "",
     extra_options: dict[str, Any] | None = None,
+    fingerprint: str = "",
 ) -> CommPlanRecorder | None:
     """Compile ``model`` in place with the given collective bucketing / reordering; return the comm-plan
     recorder (``None`` for non-Inductor backends, which run no Inductor passes).
@@ -205,11 +229,14 @@ def compile_model(
     ``transformer_block`` plan (one entry per bucket: a module FQN or a list of FQNs). ``dump_folder``: where
     ``comm_plan.json`` / ``.txt`` go (rank 0). ``plan_root``: the submodule holding the transformer blocks when
     ``model`` wraps the model (plan entries are then prefixed with it). ``extra_options``: more Inductor settings
-    for this compile (``CompilePlan.inductor_options``). Must be called on every rank (the CPU estimator
+    for this compile (``CompilePlan.inductor_options``). ``fingerprint``: names these graphs for the comm
+    plan's copy in the compile cache (``compile_cache.py``). The recorder is also left on ``model`` as
+    ``comm_plan_recorder`` (``comm_plan_recorders`` finds it). Must be called on every rank (the CPU estimator
     calibrates with collectives).
     """
     if bucketing not in BUCKETING_MODES:
         raise ValueError(f"compile_model: bucketing must be one of {BUCKETING_MODES}, got {bucketing!r}.")
+    silence_unactionable_compile_warnings()
     if backend != "inductor":
         if bucketing != "none" or reorder or manual_plan:
             warnings.warn(
@@ -244,7 +271,17 @@ def compile_model(
         )
     settings = {"bucketing": bucketing, "reorder": reorder, "plan": plan}
     recorder = CommPlanRecorder(dump_folder, settings)
-    options = {**(extra_options or {}),
-               "post_grad_custom_post_pass": _OverlapPass(bucketing, plan, reorder, cpu, estimator, recorder)}
+    overlap_pass = _OverlapPass(bucketing, plan, reorder, cpu, estimator, recorder)
+    if fingerprint:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        recorder.store = comm_plan_store(fingerprint, overlap_pass.uuid(), rank)
+    options = {**(extra_options or {}), "post_grad_custom_post_pass": overlap_pass}
     model.compile(backend=backend, fullgraph=fullgraph, options=options)
+    model.comm_plan_recorder = recorder
     return recorder
+
+
+def comm_plan_recorders(modules: Sequence[nn.Module | None]) -> list[CommPlanRecorder]:
+    """The comm-plan recorders of the compiled modules in (and under) ``modules``."""
+    return [m.comm_plan_recorder for module in modules if module is not None for m in module.modules()
+            if isinstance(getattr(m, "comm_plan_recorder", None), CommPlanRecorder)]

@@ -14,6 +14,7 @@ Where a private API is a method or a config key, a small function wraps it.
 from __future__ import annotations
 
 import contextlib
+import logging
 import warnings
 
 import torch
@@ -24,6 +25,7 @@ import torch.distributed._symmetric_memory as symmetric_memory
 import torch.distributed.tensor.placement_types as placement_types
 import torch.utils._pytree as pytree
 import torch.utils._runtime_estimation as runtime_estimation
+from torch._dynamo.utils import counters
 from torch._inductor import custom_graph_pass
 from torch._inductor import utils as inductor_utils
 from torch._inductor.fx_passes import (
@@ -32,6 +34,7 @@ from torch._inductor.fx_passes import (
     overlap_manual_scheduling,
     overlap_scheduling,
 )
+from torch._inductor.runtime import cache_dir_utils
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _python_dispatch
 
@@ -91,6 +94,9 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
     (DeviceMesh, "_get_root_mesh", "simple_fsdp.py: the world mesh a dp mesh was sliced from (dp x tp)"),
     (placement_types, "_StridedShard",
      "simple_fsdp.py: the dp placement of a TP-sharded dim (the only spelling in torch 2.13)"),
+    (torch._dynamo.utils, "counters", "compile_cache.py: the FX graph cache's hit / miss / bypass counts"),
+    (cache_dir_utils, "cache_dir", "compile_cache.py: the folder torch's compile caches use"),
+    (cache_dir_utils, "default_cache_dir", "compile_cache.py: tells torch's default folder from the user's"),
     (inductor_config, "_micro_pipeline_tp",
      "async tensor parallel (compile.py): the switch of Inductor's micro-pipelined TP pass"),
     (symmetric_memory, "enable_symm_mem_for_group",
@@ -133,6 +139,51 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
 def root_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh ``mesh`` was sliced from (``DeviceMesh._get_root_mesh``)."""
     return mesh._get_root_mesh()
+
+
+def compile_counters() -> dict[str, int]:
+    """This process's Inductor FX graph cache hits, misses and bypasses so far (``torch._dynamo.utils.counters``;
+    an AOTAutograd cache hit loads its graphs through this cache too, so each compiled graph counts once)."""
+    inductor = counters["inductor"]
+    return {kind: inductor[f"fxgraph_cache_{kind}"] for kind in ("hit", "miss", "bypass")}
+
+
+def inductor_cache_dir() -> str:
+    """The folder torch's compile caches use now (``TORCHINDUCTOR_CACHE_DIR`` or torch's per-user default)."""
+    return cache_dir_utils.cache_dir()
+
+
+def default_inductor_cache_dir() -> str:
+    """torch's per-user default for ``TORCHINDUCTOR_CACHE_DIR`` (which importing Inductor sets when unset)."""
+    return cache_dir_utils.default_cache_dir()
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).lstrip().startswith(self.prefixes)
+
+
+# What torch says on every compiled start that no user can act on (issue 21: a quiet start).
+# * Logged once per process by torch._higher_order_ops.wrap for every selective-checkpoint region under compile:
+#   such regions may not hold in-place ops unless their contexts allow it. Ours do hold one (rms_norm's add_)
+#   and allow it (activation_checkpoint: allow_cache_entry_mutation=True, with the reason).
+_CHECKPOINT_LOGGER = "torch._higher_order_ops.wrap"
+_CHECKPOINT_MESSAGES = ("Detected that context_fn is passed to torch.utils.checkpoint under torch.compile",)
+# * Inductor's lowering, per graph with complex ops: RoPE's complex multiply runs as the eager kernel (a few
+#   elementwise ops per block), which nobody can change from a config.
+_COMPLEX_OPS_WARNING = "Torchinductor does not support code generation for complex operators"
+
+
+def silence_unactionable_compile_warnings() -> None:
+    """Drop the two messages above (idempotent); every other torch warning still reaches the user."""
+    checkpoint_logger = logging.getLogger(_CHECKPOINT_LOGGER)
+    if not any(isinstance(f, _DropMessages) for f in checkpoint_logger.filters):
+        checkpoint_logger.addFilter(_DropMessages(_CHECKPOINT_MESSAGES))
+    warnings.filterwarnings("ignore", message=_COMPLEX_OPS_WARNING, category=UserWarning)
 
 
 def async_tensor_parallel_options() -> dict[str, bool]:

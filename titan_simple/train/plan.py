@@ -20,7 +20,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -181,6 +183,7 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
         manual_plan=tuple(p if isinstance(p, str) else tuple(p) for p in compile_config.manual_bucketed_modules),
         reorder=compile_config.reorder, dump_folder=config.job.dump_folder,
         async_tensor_parallel=choose_async_tensor_parallel(config, dims, device_type),
+        cache_dir=compile_cache_folder(config),
     )
     loss_parallel = uses_loss_parallel(config, dims)
     ac = config.activation_checkpoint
@@ -190,16 +193,46 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
         reduce_dtype=precision.reduce_dtype,
         reshard_after_forward=choose_reshard_after_forward(config, dims, gather, reasons), compile=compile_plan,
     )
+    loss = LossPlan(parallel=loss_parallel, compiled_with_model=compile_mode == "whole_with_loss",
+                    chunks=choose_loss_chunks(config, compile_mode, reasons))
+    if compile_plan.enabled:
+        fingerprint = compile_fingerprint(config, model_args, parallel, loss, pipeline, accumulation)
+        parallel = dataclasses.replace(parallel, compile=dataclasses.replace(compile_plan, fingerprint=fingerprint))
     data = DataOrder(global_rows=training.local_batch_size * dims.dp * accumulation,
                      shuffle_seed=training.seed if training.shuffle else None,
                      cache=data_cache_folder(training.data_cache))
     return RunPlan(
         config=config, dims=dims, device_type=device_type, model_args=model_args, pipeline=pipeline,
-        accumulation_steps=accumulation, precision=precision, gather_mode=gather, parallel=parallel,
-        loss=LossPlan(parallel=loss_parallel, compiled_with_model=compile_mode == "whole_with_loss",
-                      chunks=choose_loss_chunks(config, compile_mode, reasons)),
+        accumulation_steps=accumulation, precision=precision, gather_mode=gather, parallel=parallel, loss=loss,
         data=data, validation=plan_validation(config, dims, pipeline), reasons=reasons,
     )
+
+
+def compile_cache_folder(config: JobConfig) -> str:
+    """``[compile] cache_dir``, by default ``<dump_folder>/compile_cache`` (``parallel/compile_cache.py``)."""
+    return config.compile.cache_dir or os.path.join(config.job.dump_folder, "compile_cache")
+
+
+def compile_fingerprint(config: JobConfig, model_args: ModelArgs, parallel: ParallelPlan, loss: LossPlan,
+                        pipeline: PipelinePlan | None, accumulation: int) -> str:
+    """What this rank's compiled graphs are made of, hashed: the model, the layout and what the recipe applies
+    (dtypes, checkpointing, compile settings), the loss, the shapes of a microbatch, the torch version and this
+    package's source. It names the comm plan's copy in the compile cache (torch's own cache keys decide
+    whether a graph is reused; this only has to tell one run's graphs from another's)."""
+    training = config.training
+    parts = [repr(model_args), repr(dataclasses.replace(parallel, compile=dataclasses.replace(
+                 parallel.compile, dump_folder=None, cache_dir="", fingerprint=""))),
+             repr(loss), repr(pipeline), str(accumulation), str(training.seq_len), str(training.local_batch_size),
+             str(config.parallelism.pipeline_parallel_microbatch_size), torch.__version__, _package_source_hash()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+@functools.cache
+def _package_source_hash() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parent.parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def model_args_for(config: JobConfig) -> ModelArgs:

@@ -13,6 +13,8 @@ from torch import nn
 from titan_simple.config import JobConfig, resolve_project_path
 from titan_simple.data import Tokenizer, build_dataloader
 from titan_simple.errors import NonFiniteTraining
+from titan_simple.parallel.compile import comm_plan_recorders
+from titan_simple.parallel.compile_cache import describe_compile_cache, use_compile_cache
 from titan_simple.parallel.dims import dp_rank_and_size
 from titan_simple.train.build import build_model_parts
 from titan_simple.train.checkpoint import CheckpointManager, TrainProgress
@@ -50,6 +52,8 @@ class Trainer:
         self.gradient_accumulation_steps = self.plan.accumulation_steps
         for line in self.plan.describe():
             logger.info(line)
+        if self.plan.compile.enabled:  # before anything compiles: torch reads the folder once
+            use_compile_cache(self.plan.compile.cache_dir)
         self.tokenizer = Tokenizer(resolve_project_path(config.model.tokenizer_path))  # fails fast on a bad path
         check_vocabulary(config, self.tokenizer.vocab_size)
         init_process_group(self.dist)
@@ -157,6 +161,7 @@ class Trainer:
             return []
         previous_handlers = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
         data_iter = iter(self.dataloader)
+        resumed_at = self.step
         timer = StepTimer()
         self.memory.reset_peak()
         self.profiler.start(first_step=self.step)
@@ -167,6 +172,9 @@ class Trainer:
                     batches = [next(data_iter) for _ in range(self.gradient_accumulation_steps)]
                 with self.profiler.dump_on_oom(self.step):
                     result = self.train_step(batches)
+                if self.step == resumed_at + 1 and self.plan.compile.enabled:  # every graph is compiled by now
+                    compiled = [*self.model_parts, getattr(self.step_fn, "model_with_loss", None)]
+                    logger.info(describe_compile_cache(comm_plan_recorders(compiled)))
                 # Tokens per device: ranks that split one batch (tensor / pipeline parallel) share its tokens.
                 timer.step_done(result.global_tokens // self.dist.world_size)
                 avg_loss, max_loss = global_avg_and_max(result.local_mean)
