@@ -46,6 +46,10 @@ class Job:
 class Model:
     name: str = option("llama3", "Model family.", choices=("llama3",))
     flavor: str = option("debugmodel", "Model size: debugmodel, debugmodel_large, 8B, 70B or 405B.")
+    n_layers: int = option(
+        0, "Transformer blocks, overriding the flavor's (0 = the flavor's): for depth experiments such as "
+        "compile time against depth (scripts/benchmark_compile.py)."
+    )
     tokenizer_path: str = option(
         "assets/tokenizer/shakespeare_bpe_2k.json",
         "A Hugging Face tokenizer.json, or a tiktoken-format tokenizer.model such as Llama 3's "
@@ -561,6 +565,7 @@ def validate(config: JobConfig) -> None:
     """Value checks that need no hardware (world-size checks live in ParallelDims)."""
     training, parallelism = config.training, config.parallelism
     optimizer, lr_scheduler = config.optimizer, config.lr_scheduler
+    _require(config.model.n_layers >= 0, config, "model", "n_layers", "0 (the flavor's) or a positive number")
     _require(training.steps > 0, config, "training", "steps", "a positive number of steps")
     _require(training.local_batch_size > 0, config, "training", "local_batch_size", "a positive integer")
     _require(training.global_batch_size == -1 or training.global_batch_size > 0, config, "training",

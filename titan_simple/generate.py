@@ -45,7 +45,9 @@ def load_model_for_generation(
     """
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or default_dtype(device)
-    model = build_model(config.model.flavor, max_seq_len=max_seq_len or config.training.seq_len, device="meta")
+    depth = {"n_layers": config.model.n_layers} if config.model.n_layers else {}
+    model = build_model(config.model.flavor, max_seq_len=max_seq_len or config.training.seq_len, device="meta",
+                        **depth)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=device)  # also fills the RoPE table, which checkpoints do not hold

@@ -407,8 +407,10 @@ def build_model(
     vocab_size: int | None = None,
     max_seq_len: int | None = None,
     device: torch.device | str = "meta",
+    n_layers: int | None = None,
 ) -> Transformer:
-    """Build a flavor from ``LLAMA3_FLAVORS``, optionally overriding its vocabulary and RoPE table length.
+    """Build a flavor from ``LLAMA3_FLAVORS``, optionally overriding its vocabulary, RoPE table length and
+    depth.
 
     On the meta device the result holds no storage: ``to_empty`` and ``init_weights`` it after
     parallelizing. On a real device it comes back initialized.
@@ -422,6 +424,8 @@ def build_model(
         overrides["vocab_size"] = vocab_size
     if max_seq_len is not None:
         overrides["max_seq_len"] = max_seq_len
+    if n_layers is not None:
+        overrides["n_layers"] = n_layers
     args = dataclasses.replace(LLAMA3_FLAVORS[flavor], **overrides)
     with torch.device(device):
         return Transformer(args)

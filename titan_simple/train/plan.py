@@ -236,12 +236,13 @@ def _package_source_hash() -> str:
 
 
 def model_args_for(config: JobConfig) -> ModelArgs:
-    """The ``[model] flavor``'s arguments with a RoPE table of ``[training] seq_len``, or the one-line error
-    naming the known flavors."""
+    """The ``[model] flavor``'s arguments with a RoPE table of ``[training] seq_len`` (and ``[model] n_layers``
+    blocks when set), or the one-line error naming the known flavors."""
     flavor = config.model.flavor
     if flavor not in LLAMA3_FLAVORS:
         build_model(flavor)  # raises the unknown-flavor ConfigError
-    return dataclasses.replace(LLAMA3_FLAVORS[flavor], max_seq_len=config.training.seq_len)
+    args = dataclasses.replace(LLAMA3_FLAVORS[flavor], max_seq_len=config.training.seq_len)
+    return dataclasses.replace(args, n_layers=config.model.n_layers) if config.model.n_layers else args
 
 
 def check_vocabulary(config: JobConfig, tokenizer_vocab_size: int) -> None:

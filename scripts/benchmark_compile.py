@@ -1,0 +1,155 @@
+"""Time to the first step against depth, cold and warm (issue 21): what compiling costs a start and a restart.
+
+    .venv/bin/python scripts/benchmark_compile.py --doc                  # 6, 12, 24, 48 blocks; ~20 min on 2 cores
+    .venv/bin/python scripts/benchmark_compile.py --depths 6,24 --out /tmp/compile_bench
+
+For each depth (``--model.n_layers`` on the debug model) three fresh ``torchrun --nproc_per_node=2 train.py``
+jobs run one after the other on this machine (check that it is quiet first: another job on the 2 cores slows
+every row): **cold** (a new compile cache folder: torch traces, compiles every graph and builds every kernel),
+**warm** (the same command again, the same dump folder: what a restart or a resumed run does) and **eager**
+(no compile, the reference). Every job trains one step of the default job's shape (local batch 4 x 128, the
+trainer's own step, compiled with the shipped settings: transformer_block bucketing + reorder).
+
+Measured on rank 0 (this file's ``--worker`` mode runs the real ``Trainer``): seconds from the end of the
+build (the ``built:`` log line) to the end of step 1, and how torch's own compile timers split it:
+
+* **tracing**: Dynamo's bytecode tracing (``bytecode_tracing``);
+* **AOT autograd**: metadata, the joint forward/backward trace, joint-graph passes and the partitioner;
+* **Inductor**: ``fx_codegen_and_compile`` of the forward and backward graphs (post-grad passes, ours
+  included, lowering, code generation and the kernel builds it waits for);
+* **cache load**: loading compiled graphs from the compile cache (``AOTAutogradCache.inductor_load``);
+* **rest**: the step itself and whatever else precedes it (the difference).
+
+The table goes to docs/benchmarks.md between ``<!-- benchmark_compile.py: begin/end -->`` with ``--doc``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+DOC = PROJECT_DIR / "docs" / "benchmarks.md"
+BEGIN, END = "<!-- benchmark_compile.py: begin -->", "<!-- benchmark_compile.py: end -->"
+JOB = ["--config", "llama3_debug.toml", "--training.steps", "1", "--metrics.log_freq", "1",
+       "--lr_scheduler.warmup_steps", "1"]
+# torch's compile timers (torch._dynamo.utils.compile_times) summed into the split; nested timers are not
+# added twice (each group lists disjoint ones).
+SPLIT = {
+    "tracing": ("bytecode_tracing",),
+    "aot": ("aot_collect_metadata", "aot_trace_joint_graph", "_recursive_joint_graph_passes",
+            "min_cut_rematerialization_partition"),
+    "inductor": ("fx_codegen_and_compile",),
+    "cache_load": ("AOTAutogradCache.inductor_load",),
+}
+
+
+def worker_main(argv: list[str]) -> None:
+    """One rank of one job: build the Trainer, train its one step, write rank 0's figures to ``--result``."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--result", required=True)
+    args, overrides = parser.parse_known_args(argv)
+    sys.path.insert(0, str(PROJECT_DIR))
+    import torch
+
+    from titan_simple.config import load_job_config
+    from titan_simple.parallel.torch_private import compile_counters
+    from titan_simple.train.distributed import shutdown_distributed
+    from titan_simple.train.trainer import Trainer
+
+    trainer = Trainer(load_job_config(overrides))
+    built = time.perf_counter()
+    trainer.train()
+    to_step_1 = time.perf_counter() - built
+    if int(os.environ.get("RANK", "0")) == 0:
+        names, values = torch._dynamo.utils.compile_times(repr="csv", aggregate=True)
+        timers = {name: float(value) for name, value in zip(names, values, strict=True)}
+        split = {group: sum(timers.get(name, 0.0) for name in members) for group, members in SPLIT.items()}
+        split["rest"] = to_step_1 - sum(split.values())
+        Path(args.result).write_text(json.dumps({"to_step_1_s": to_step_1, "split_s": split,
+                                                 "graphs": compile_counters(), "torch": torch.__version__}))
+    shutdown_distributed()
+
+
+def run_job(depth: int, mode: str, dump: Path, out: Path) -> dict:
+    """One ``torchrun`` job of ``depth`` blocks: ``cold`` / ``warm`` compile into ``dump``'s cache, or ``eager``."""
+    result = out / f"depth{depth}_{mode}.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}  # torch's defaults
+    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    compile_args = ["--compile.enable"] if mode != "eager" else []
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", __file__,
+               "--worker", "--result", str(result), *JOB, "--model.n_layers", str(depth), *compile_args,
+               "--job.dump_folder", str(dump)]
+    start = time.perf_counter()
+    with open(out / f"depth{depth}_{mode}.log", "w") as log:
+        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=PROJECT_DIR)
+    figures = json.loads(result.read_text())
+    figures["job_s"] = time.perf_counter() - start
+    return figures
+
+
+def table(results: dict[int, dict[str, dict]]) -> str:
+    fewest = min(results)
+    rows = [f"| blocks | start | to step 1 (s) | vs cold, {fewest} blocks | tracing | AOT autograd | Inductor | "
+            "cache load | rest | graphs compiled / reused | whole job (s) |",
+            "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    base = results[fewest]["cold"]["to_step_1_s"]
+    for depth, modes in sorted(results.items()):
+        for mode in ("cold", "warm", "eager"):
+            r = modes[mode]
+            s, g = r["split_s"], r["graphs"]
+            rows.append(
+                f"| {depth} | {mode} | {r['to_step_1_s']:.1f} | {r['to_step_1_s'] / base:.2f}x | {s['tracing']:.1f} | "
+                f"{s['aot']:.1f} | {s['inductor']:.1f} | {s['cache_load']:.1f} | {s['rest']:.1f} | "
+                f"{g['miss'] + g['bypass']} / {g['hit']} | {r['job_s']:.0f} |")
+    return "\n".join(rows)
+
+
+def write_doc(text: str) -> None:
+    doc = DOC.read_text()
+    if BEGIN in doc:
+        head, rest = doc.split(BEGIN, 1)
+        doc = f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}"
+    else:
+        doc = doc.rstrip() + f"\n\n## Compile time against depth\n\n{BEGIN}\n{text}\n{END}\n"
+    DOC.write_text(doc)
+
+
+def driver_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--depths", default="6,12,24,48", help="comma list of transformer block counts")
+    parser.add_argument("--out", default=None, help="folder for the jobs' dump folders, logs and results")
+    parser.add_argument("--doc", action="store_true", help=f"rewrite the table in {DOC.relative_to(PROJECT_DIR)}")
+    args = parser.parse_args(argv)
+    out = Path(args.out or tempfile.mkdtemp(prefix="benchmark_compile_"))
+    out.mkdir(parents=True, exist_ok=True)
+    load = os.getloadavg()[0]
+    started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    results: dict[int, dict[str, dict]] = {}
+    for depth in (int(d) for d in args.depths.split(",")):
+        dump = out / f"depth{depth}"  # cold and warm share it: its compile_cache is the restart's cache
+        results[depth] = {mode: run_job(depth, mode, dump if mode != "eager" else out / f"depth{depth}_eager", out)
+                          for mode in ("cold", "warm", "eager")}
+        print(f"{depth} blocks: " + ", ".join(f"{m} {r['to_step_1_s']:.1f} s" for m, r in results[depth].items()),
+              flush=True)
+    text = (f"Measured {started}, load average {load:.2f} at the start, torch "
+            f"{results[min(results)]['cold']['torch']}, 2 processes (gloo), debug model (dim 256) with "
+            f"`--model.n_layers` blocks, local batch 4 x 128; `python scripts/benchmark_compile.py --doc`.\n\n"
+            + table(results))
+    print(text)
+    (out / "results.json").write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1))
+    if args.doc:
+        write_doc(text)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker_main(sys.argv[2:])
+    else:
+        driver_main(sys.argv[1:])
