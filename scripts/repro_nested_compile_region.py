@@ -139,7 +139,8 @@ def run_variant(variant, backend, rank):
                 traceback.print_exc()
         return
     grads = [p.grad.full_tensor() for p in model.parameters()]
-    ok = torch.allclose(loss, ref) and all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, ref_grads))
+    pairs = zip(grads, ref_grads, strict=True)
+    ok = torch.allclose(loss, ref) and all(torch.allclose(a, b, atol=1e-5) for a, b in pairs)
     if rank == 0:
         print(f"[{variant:15s}] OK: loss {loss.item():.6f} (eager {ref.item():.6f}), grads match eager: {ok}; "
               f"unique graphs {counters['stats']['unique_graphs']}", flush=True)
