@@ -27,7 +27,12 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from titan_simple.parallel.comm_plan import CommPlanRecorder
-from titan_simple.parallel.torch_private import compile_counters, default_inductor_cache_dir, inductor_cache_dir
+from titan_simple.parallel.torch_private import (
+    compile_counters,
+    default_inductor_cache_dir,
+    graph_cache_enabled,
+    inductor_cache_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +69,8 @@ def describe_compile_cache(recorders: Iterable[CommPlanRecorder]) -> str:
     folder = os.environ.get(CACHE_DIR_VARIABLE) or inductor_cache_dir()
     total = hits + misses + bypasses
     if total == 0:
-        return "compile cache: no graph compiled"
+        return ("compile cache: off (TORCHINDUCTOR_FX_GRAPH_CACHE=0)" if not graph_cache_enabled()
+                else "compile cache: no graph compiled")
     if hits == total:
         what = f"reused all {total} compiled graphs"
     elif hits:

@@ -96,6 +96,7 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
      "simple_fsdp.py: the dp placement of a TP-sharded dim (the only spelling in torch 2.13)"),
     (torch._dynamo.utils, "counters", "compile_cache.py: the FX graph cache's hit / miss / bypass counts"),
     (cache_dir_utils, "cache_dir", "compile_cache.py: the folder torch's compile caches use"),
+    (inductor_config, "fx_graph_cache", "compile_cache.py: whether the FX graph cache is on"),
     (cache_dir_utils, "default_cache_dir", "compile_cache.py: tells torch's default folder from the user's"),
     (inductor_config, "_micro_pipeline_tp",
      "async tensor parallel (compile.py): the switch of Inductor's micro-pipelined TP pass"),
@@ -146,6 +147,11 @@ def compile_counters() -> dict[str, int]:
     an AOTAutograd cache hit loads its graphs through this cache too, so each compiled graph counts once)."""
     inductor = counters["inductor"]
     return {kind: inductor[f"fxgraph_cache_{kind}"] for kind in ("hit", "miss", "bypass")}
+
+
+def graph_cache_enabled() -> bool:
+    """Whether Inductor's FX graph cache is on (``TORCHINDUCTOR_FX_GRAPH_CACHE``; on by default)."""
+    return bool(inductor_config.fx_graph_cache)
 
 
 def inductor_cache_dir() -> str:
