@@ -21,6 +21,7 @@ a start that loaded its graphs restores the plan from there.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from collections.abc import Iterable
@@ -54,8 +55,6 @@ def use_compile_cache(folder: str) -> str:
 
 def comm_plan_store(fingerprint: str, pass_uuid: str, rank: int) -> Path:
     """Where a recorder keeps its copy of the comm plan for a later start with the same graphs."""
-    import hashlib
-
     key = hashlib.sha256(f"{fingerprint}:{pass_uuid}".encode()).hexdigest()[:24]
     return Path(inductor_cache_dir()) / "titan_simple_comm_plans" / f"{key}-rank{rank}.json"
 
