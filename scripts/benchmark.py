@@ -144,6 +144,9 @@ def config_matrix() -> list[BenchConfig]:
         label = f"SimpleFSDP compiled, {bucketing}" + (" + reorder" if reorder else "")
         configs.append(BenchConfig(name, label, (*simple, *on, f"--compile.bucketing={bucketing}",
                                                  f"--compile.reorder={str(reorder).lower()}")))
+    # Regional compilation (issue 21): one compiled code for every block, bucketed and reordered inside it.
+    configs.append(BenchConfig("simple_regional", "SimpleFSDP compiled regionally, transformer_block + reorder",
+                               (*simple, *on, "--compile.regional=true")))
     return configs
 
 

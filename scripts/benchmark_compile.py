@@ -1,13 +1,14 @@
 """Time to the first step against depth, cold and warm (issue 21): what compiling costs a start and a restart.
 
-    .venv/bin/python scripts/benchmark_compile.py --doc                  # 6, 12, 24, 48 blocks; ~20 min on 2 cores
+    .venv/bin/python scripts/benchmark_compile.py --doc                  # 6, 12, 24, 48 blocks; ~25 min on 2 cores
     .venv/bin/python scripts/benchmark_compile.py --depths 6,24 --out /tmp/compile_bench
 
-For each depth (``--model.n_layers`` on the debug model) three fresh ``torchrun --nproc_per_node=2 train.py``
+For each depth (``--model.n_layers`` on the debug model) five fresh ``torchrun --nproc_per_node=2 train.py``
 jobs run one after the other on this machine (check that it is quiet first: another job on the 2 cores slows
 every row): **cold** (a new compile cache folder: torch traces, compiles every graph and builds every kernel),
 **warm** (the same command again, the same dump folder: what a restart or a resumed run does) and **eager**
-(no compile, the reference). Every job trains one step of the default job's shape (local batch 4 x 128, the
+(no compile, the reference), and the two compiled starts again with ``--compile.regional`` (one code for every
+block). Every job trains one step of the default job's shape (local batch 4 x 128, the
 trainer's own step, compiled with the shipped settings: transformer_block bucketing + reorder).
 
 Measured on rank 0 (this file's ``--worker`` mode runs the real ``Trainer``): seconds from the end of the
@@ -77,17 +78,22 @@ def worker_main(argv: list[str]) -> None:
     shutdown_distributed()
 
 
+MODES = ("cold", "warm", "regional cold", "regional warm", "eager")
+
+
 def run_job(depth: int, mode: str, dump: Path, out: Path) -> dict:
-    """One ``torchrun`` job of ``depth`` blocks: ``cold`` / ``warm`` compile into ``dump``'s cache, or ``eager``."""
-    result = out / f"depth{depth}_{mode}.json"
+    """One ``torchrun`` job of ``depth`` blocks: ``[regional] cold`` / ``warm`` compile into ``dump``'s cache
+    (the whole model, or regionally: ``--compile.regional``), or ``eager``."""
+    tag = mode.replace(" ", "_")
+    result = out / f"depth{depth}_{tag}.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}  # torch's defaults
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
-    compile_args = ["--compile.enable"] if mode != "eager" else []
+    compile_args = ([] if mode == "eager" else ["--compile.enable"]) + (["--compile.regional"] if "regional" in mode else [])
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", __file__,
                "--worker", "--result", str(result), *JOB, "--model.n_layers", str(depth), *compile_args,
                "--job.dump_folder", str(dump)]
     start = time.perf_counter()
-    with open(out / f"depth{depth}_{mode}.log", "w") as log:
+    with open(out / f"depth{depth}_{tag}.log", "w") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=PROJECT_DIR)
     figures = json.loads(result.read_text())
     figures["job_s"] = time.perf_counter() - start
@@ -96,13 +102,12 @@ def run_job(depth: int, mode: str, dump: Path, out: Path) -> dict:
 
 def table(results: dict[int, dict[str, dict]]) -> str:
     fewest = min(results)
-    rows = [f"| blocks | start | to step 1 (s) | vs cold, {fewest} blocks | tracing | AOT autograd | Inductor | "
+    rows = [f"| blocks | start | to step 1 (s) | vs the same start at {fewest} blocks | tracing | AOT autograd | Inductor | "
             "cache load | rest | graphs compiled / reused | whole job (s) |",
             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
-    base = results[fewest]["cold"]["to_step_1_s"]
     for depth, modes in sorted(results.items()):
-        for mode in ("cold", "warm", "eager"):
-            r = modes[mode]
+        for mode in (m for m in MODES if m in modes):
+            r, base = modes[mode], results[fewest][mode]["to_step_1_s"]
             s, g = r["split_s"], r["graphs"]
             rows.append(
                 f"| {depth} | {mode} | {r['to_step_1_s']:.1f} | {r['to_step_1_s'] / base:.2f}x | {s['tracing']:.1f} | "
@@ -124,6 +129,7 @@ def write_doc(text: str) -> None:
 def driver_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--depths", default="6,12,24,48", help="comma list of transformer block counts")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     parser.add_argument("--out", default=None, help="folder for the jobs' dump folders, logs and results")
     parser.add_argument("--doc", action="store_true", help=f"rewrite the table in {DOC.relative_to(PROJECT_DIR)}")
     args = parser.parse_args(argv)
@@ -133,13 +139,14 @@ def driver_main(argv: list[str]) -> None:
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results: dict[int, dict[str, dict]] = {}
     for depth in (int(d) for d in args.depths.split(",")):
-        dump = out / f"depth{depth}"  # cold and warm share it: its compile_cache is the restart's cache
-        results[depth] = {mode: run_job(depth, mode, dump if mode != "eager" else out / f"depth{depth}_eager", out)
-                          for mode in ("cold", "warm", "eager")}
+        # cold and warm share a dump folder: its compile_cache is the restart's cache
+        dumps = {"cold": "", "warm": "", "regional cold": "_regional", "regional warm": "_regional", "eager": "_eager"}
+        results[depth] = {mode: run_job(depth, mode, out / f"depth{depth}{dumps[mode]}", out)
+                          for mode in MODES if mode in args.modes.split(",")}
         print(f"{depth} blocks: " + ", ".join(f"{m} {r['to_step_1_s']:.1f} s" for m, r in results[depth].items()),
               flush=True)
     text = (f"Measured {started}, load average {load:.2f} at the start, torch "
-            f"{results[min(results)]['cold']['torch']}, 2 processes (gloo), debug model (dim 256) with "
+            f"{next(iter(results[min(results)].values()))['torch']}, 2 processes (gloo), debug model (dim 256) with "
             f"`--model.n_layers` blocks, local batch 4 x 128; `python scripts/benchmark_compile.py --doc`.\n\n"
             + table(results))
     print(text)

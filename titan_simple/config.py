@@ -209,6 +209,12 @@ class Compile:
         True, "Move collectives so they overlap compute: prefetch the next bucket's all-gather, defer the "
         "reduce-scatter's wait (auto bucketing always reorders)."
     )
+    regional: bool = option(
+        False, "Regional compilation: compile one transformer block and reuse its code for every block (the "
+        "embedding, final norm, output and loss run eagerly). Start-up time hardly grows with depth; each "
+        "block's collectives are bucketed and reordered inside the block, none overlap across blocks "
+        "(docs/benchmarks.md, 'Compile time against depth')."
+    )
     cache_dir: str = option(
         "", "Where compiled graphs and kernels are kept for the next start (torch's compile caches); '' = "
         "<dump_folder>/compile_cache. A restart with the same model, layout, shapes and compile settings loads "
@@ -593,6 +599,9 @@ def validate(config: JobConfig) -> None:
     compile_config = config.compile
     _require(not compile_config.manual_bucketed_modules or compile_config.bucketing == "transformer_block", config,
              "compile", "manual_bucketed_modules", "[] unless bucketing = 'transformer_block' (the manual plan)")
+    _require(not compile_config.manual_bucketed_modules or not compile_config.regional, config, "compile",
+             "manual_bucketed_modules", "[] with regional = true (each block is bucketed as its attention half and "
+             "its feed-forward half)")
     _validate_pipeline(config)
     _validate_checkpoint(config)
     _validate_validation_and_profiling(config)

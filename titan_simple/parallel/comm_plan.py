@@ -219,6 +219,7 @@ class CommPlanRecorder:
         self.dump_folder = dump_folder
         self.settings = settings
         self.store = store
+        self.compile_options: dict[str, Any] = {}  # the Inductor options of the compile it records (compile.py)
         self.graphs: dict[str, list[dict[str, Any]]] = {}
 
     def add(self, graph: fx.Graph) -> None:

@@ -24,6 +24,15 @@ post-grad pass (``post_grad_custom_post_pass``) runs on the forward and on the b
   to its wait.
 * **comm plan**: the final graph's collectives, recorded and written to ``dump_folder`` (``comm_plan.py``).
 
+**Regional compilation** (``CompilePlan.compile_regional``, ``[compile] regional``) compiles the transformer
+blocks instead of the model: one options dict (one pass object) for all of them, so Dynamo reuses the first
+block's graphs for the others and compile time hardly grows with depth. The pass then buckets each block's
+collectives in two halves (``BLOCK_BUCKETS``) and overlaps one half's with the other half's compute (the
+generated code keeps that in backward; in forward Inductor waits for both all-gathers first); nothing overlaps
+across blocks. Compiling a repeated block once *inside* the whole graph is what torch's
+``nested_compile_region`` is for, but it fails on SimpleFSDP's DTensor gathers in torch 2.13
+(``scripts/repro_nested_compile_region.py``; docs/benchmarks.md, "Compile time against depth").
+
 The other modules: ``comm_plan.py`` reads the graphs, ``cpu_cost_model.py`` gives the scheduler runtime
 estimates on CPU (it swaps two functions of ``torch.utils._runtime_estimation`` while our pass runs, then
 restores them), and ``torch_private.py`` holds every private torch API used here.
@@ -32,6 +41,7 @@ restores them), and ``torch_private.py`` holds every private torch API used here
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -60,6 +70,9 @@ from titan_simple.parallel.torch_private import (
 logger = logging.getLogger(__name__)
 
 BUCKETING_MODES = ("none", "transformer_block", "auto")
+# A transformer block's buckets under regional compilation, by module name inside the block: the attention half
+# and the feed-forward half, so that with reorder one half's all-gather can run while the other half computes.
+BLOCK_BUCKETS: tuple[tuple[str, ...], ...] = (("attention_norm", "attention"), ("ffn_norm", "feed_forward"))
 # The modules whose code decides what the post-grad pass does to a graph (part of its cache key).
 _PASS_SOURCES = tuple(Path(__file__).with_name(name) for name in
                       ("compile.py", "comm_plan.py", "cpu_cost_model.py", "torch_private.py"))
@@ -165,7 +178,8 @@ class CompilePlan:
     ``mode``: ``off``; ``whole`` (the model, or each pipeline stage, is one graph, collectives included);
     ``whole_with_loss`` (the training step compiles the model and its loss as one graph, ``train/loss.py``);
     ``per_block`` (each transformer block on its own: FSDP2, TP inside multi-stage pipelines, zero-bubble
-    schedules; no whole-step graph to bucket or reorder)."""
+    schedules; no whole-step graph to bucket or reorder); ``regional`` (``[compile] regional``: the transformer
+    blocks share one compiled code, which buckets and reorders each block's collectives; the rest runs eagerly)."""
 
     mode: str = "off"
     backend: str = "inductor"
@@ -201,12 +215,63 @@ class CompilePlan:
                              dump_folder=self.dump_folder, plan_root=plan_root,
                              extra_options=self.inductor_options(), fingerprint=self.fingerprint)
 
+    def compile_regional(self, model: nn.Module) -> CommPlanRecorder | None:
+        """Regional compilation: compile ``model``'s transformer blocks with one shared pass, so Dynamo reuses the
+        first block's graphs for every other block (their guards pass: same class, shapes and settings), and
+        compile time hardly grows with depth. Each block's collectives are bucketed (``BLOCK_BUCKETS`` with
+        transformer_block bucketing) and, with reorder, the feed-forward half's all-gather is issued before the
+        attention half computes (in backward, the feed-forward half's reduce-scatter runs while the attention
+        half computes). Inductor's generated code keeps the backward's overlap; in forward it waits for both
+        all-gathers before the attention compute (measured, tests/test_regional_compile.py). Nothing overlaps
+        across blocks: each block's graph waits for its own collectives."""
+        blocks = list(model.layers.values())
+        # The embedding, final norm and output projection (one parameter each: nothing to bucket), present
+        # or not on a pipeline stage, compile as small graphs of their own; under tensor parallel (their
+        # input / output layouts are forward hooks) they run eagerly: compiled alone, the row-wise sharded
+        # embedding fails DTensor's sharding propagation (torch 2.13).
+        for name in ("tok_embeddings", "norm", "output"):
+            module = getattr(model, name, None)
+            if module is not None and not (module._forward_pre_hooks or module._forward_hooks):
+                self._compile_forward(module)
+        first = _REGIONAL_COMPILES.get(self)
+        if first is not None:  # another pipeline stage of this rank: the same options, so the same code
+            for block in blocks:
+                block.compile(backend=self.backend, fullgraph=True, options=first.compile_options)
+            model.comm_plan_recorder = first
+            return first
+        plan = BLOCK_BUCKETS if self.bucketing == "transformer_block" else None
+        recorder = compile_model(model, backend=self.backend, bucketing=self.bucketing, manual_plan=plan,
+                                 reorder=self.reorder, dump_folder=self.dump_folder,
+                                 extra_options=self.inductor_options(), fingerprint=self.fingerprint,
+                                 modules=blocks)
+        if recorder is not None:
+            _REGIONAL_COMPILES[self] = recorder
+        return recorder
+
+    def _compile_forward(self, module: nn.Module) -> None:
+        """Compile ``module.forward`` in place, through a function of ours: Dynamo skips the frames of torch's
+        own modules (``nn.Embedding``, ``nn.Linear``, ...) when their ``_call_impl`` is compiled directly
+        ("found no compiled frames"), but inlines them from ours. Forward hooks would stay outside."""
+        options = self.inductor_options()
+        silence_unactionable_compile_warnings()
+        compiled = torch.compile(_forward_of, backend=self.backend, fullgraph=True,
+                                 **({"options": options} if options else {}))
+        module.forward = functools.partial(compiled, module)
+
     def compile_block(self, block: nn.Module) -> None:
         """Compile one transformer block in place (``per_block`` mode): no collective passes, only the
         graph-independent options."""
         options = self.inductor_options()
         silence_unactionable_compile_warnings()
         block.compile(backend=self.backend, fullgraph=True, **({"options": options} if options else {}))
+
+
+_REGIONAL_COMPILES: dict[CompilePlan, CommPlanRecorder] = {}  # the first regional compile of each plan
+
+
+def _forward_of(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``module``'s own forward (its class's), the frame ``CompilePlan._compile_forward`` compiles."""
+    return type(module).forward(module, *args, **kwargs)
 
 
 def compile_model(
@@ -221,6 +286,7 @@ def compile_model(
     plan_root: str = "",
     extra_options: dict[str, Any] | None = None,
     fingerprint: str = "",
+    modules: Sequence[nn.Module] | None = None,
 ) -> CommPlanRecorder | None:
     """Compile ``model`` in place with the given collective bucketing / reordering; return the comm-plan
     recorder (``None`` for non-Inductor backends, which run no Inductor passes).
@@ -230,7 +296,9 @@ def compile_model(
     ``comm_plan.json`` / ``.txt`` go (rank 0). ``plan_root``: the submodule holding the transformer blocks when
     ``model`` wraps the model (plan entries are then prefixed with it). ``extra_options``: more Inductor settings
     for this compile (``CompilePlan.inductor_options``). ``fingerprint``: names these graphs for the comm
-    plan's copy in the compile cache (``compile_cache.py``). The recorder is also left on ``model`` as
+    plan's copy in the compile cache (``compile_cache.py``). ``modules``: compile these submodules of ``model``
+    (one code for all of them, regional compilation) instead of ``model`` itself; ``manual_plan`` then names
+    modules inside one of them. The recorder is also left on ``model`` as
     ``comm_plan_recorder`` (``comm_plan_recorders`` finds it). Must be called on every rank (the CPU estimator
     calibrates with collectives).
     """
@@ -242,13 +310,18 @@ def compile_model(
             warnings.warn(
                 f"compile backend {backend!r} runs no Inductor passes: bucketing/reorder ignored.", stacklevel=2
             )
-        model.compile(backend=backend, fullgraph=fullgraph)
+        for module in modules or [model]:
+            module.compile(backend=backend, fullgraph=fullgraph)
         return None
     if bucketing == "auto" and manual_plan:
         raise ValueError("compile_model: a manual_plan needs bucketing 'transformer_block' (manual), not 'auto'.")
     if bucketing == "auto" and not reorder:
         warnings.warn("compile: bucketing='auto' always reorders (its buckets are chosen for overlap).", stacklevel=2)
     plan = [list(p) if not isinstance(p, str) else p for p in manual_plan] if manual_plan else None
+    if modules is None:
+        modules = [model]
+    elif bucketing == "transformer_block" and plan is None:
+        raise ValueError("compile_model: regional compilation (modules=...) needs its bucket plan (manual_plan).")
     if bucketing == "transformer_block" and plan is None:
         plan = transformer_block_plan(model.get_submodule(plan_root))
     if plan is not None and plan_root:
@@ -275,13 +348,19 @@ def compile_model(
     if fingerprint:
         rank = dist.get_rank() if dist.is_initialized() else 0
         recorder.store = comm_plan_store(fingerprint, overlap_pass.uuid(), rank)
+    # One options dict (one pass object) for every module: Dynamo then reuses one module's compiled code for
+    # another of the same class whose guards pass (regional compilation), instead of compiling it again.
     options = {**(extra_options or {}), "post_grad_custom_post_pass": overlap_pass}
-    model.compile(backend=backend, fullgraph=fullgraph, options=options)
+    for module in modules:
+        module.compile(backend=backend, fullgraph=fullgraph, options=options)
+    recorder.compile_options = options
     model.comm_plan_recorder = recorder
     return recorder
 
 
 def comm_plan_recorders(modules: Sequence[nn.Module | None]) -> list[CommPlanRecorder]:
-    """The comm-plan recorders of the compiled modules in (and under) ``modules``."""
-    return [m.comm_plan_recorder for module in modules if module is not None for m in module.modules()
-            if isinstance(getattr(m, "comm_plan_recorder", None), CommPlanRecorder)]
+    """The comm-plan recorders of the compiled modules in (and under) ``modules``, each once (pipeline stages
+    compiled regionally share one)."""
+    found = [m.comm_plan_recorder for module in modules if module is not None for m in module.modules()
+             if isinstance(getattr(m, "comm_plan_recorder", None), CommPlanRecorder)]
+    return list({id(recorder): recorder for recorder in found}.values())

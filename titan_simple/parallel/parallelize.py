@@ -75,6 +75,8 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh | None, plan: ParallelP
             apply_fsdp2(model, dp_mesh(mesh, dims), mode=dims.data_parallel_mode, param_dtype=plan.param_dtype,
                         reduce_dtype=plan.reduce_dtype, reshard_after_forward=plan.reshard_after_forward)
 
+    if plan.compile.mode == "regional":
+        plan.compile.compile_regional(model)
     if plan.compile.mode == "whole":
         # The whole model in one graph, the collectives included: Inductor sees and schedules them.
         # nn.Module.compile keeps the module (and its state_dict names) as they are. The [compile] bucketing /

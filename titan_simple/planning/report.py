@@ -144,7 +144,9 @@ def collective_seconds(kind: str, nbytes: float, dim: MeshDim, spec: DeviceSpec,
 
 def comm_overlapped(run: RunPlan) -> bool:
     """``auto``: overlapped when Inductor reorders the data-parallel collectives of a whole-model (or stage)
-    graph; a layout compiled block by block has no such graph."""
+    graph. A layout compiled block by block has no such graph; regional compilation overlaps one half of a
+    block's collectives with the other half's compute and nothing across blocks, priced here as exposed (an
+    upper bound)."""
     choice = run.config.dry_run.comm_overlap
     if choice != "auto":
         return choice == "overlapped"

@@ -145,9 +145,10 @@ class RunPlan:
             lines.append("  compile: off (eager)")
         else:
             what = {"whole": "whole model / stage", "whole_with_loss": "model + loss as one graph",
-                    "per_block": "each transformer block"}[compile_plan.mode]
+                    "per_block": "each transformer block",
+                    "regional": "one code for every transformer block (regional)"}[compile_plan.mode]
             passes = (f", bucketing {compile_plan.bucketing}, reorder {'on' if compile_plan.reorder else 'off'}"
-                      if compile_plan.whole_graph and compile_plan.backend == "inductor" else "")
+                      if compile_plan.mode != "per_block" and compile_plan.backend == "inductor" else "")
             async_tp = ", async TP" if compile_plan.async_tensor_parallel else ""
             lines.append(f"  compile: {what}{why('compile')}, {compile_plan.backend}{passes}{async_tp}")
         if self.validation is not None:
@@ -354,7 +355,7 @@ def uses_loss_parallel(config: JobConfig, dims: ParallelDims) -> bool:
 
 
 def choose_compile_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str, str] | None = None) -> str:
-    """``off``, ``per_block``, ``whole`` or ``whole_with_loss`` (``parallel/compile.CompilePlan``).
+    """``off``, ``per_block``, ``regional``, ``whole`` or ``whole_with_loss`` (``parallel/compile.CompilePlan``).
 
     Each transformer block compiles on its own with FSDP2, whose hooks break a whole-model graph (fullgraph
     fails in torch 2.13); under the zero-bubble pipeline schedules, whose split backward gives wrong weight
@@ -362,6 +363,8 @@ def choose_compile_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str
     stages when a pp rank runs several of them (Interleaved1F1B, LoopedBFS): torch 2.13 fails to compile them
     (AOTAutograd's partitioner: "Node tangents_2 was invalid, but is output";
     scripts/repro_tp_pp_whole_stage_compile.py). With one stage per rank (GPipe, 1F1B) TP stages compile whole.
+    ``[compile] regional`` asks for one compiled code for every block (SimpleFSDP layouts that would compile
+    whole; the loss then runs eagerly).
     The loss compiles with the model (one graph: Inductor fuses the fp32 cross-entropy) without pipeline
     parallel (the schedule calls the loss) and tensor parallel (the loss runs on DTensors under loss_parallel).
     """
@@ -387,6 +390,8 @@ def choose_compile_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str
                 "no whole-step graph to bucket or reorder.", compile_config.bucketing, compile_config.reorder,
             )
         return "per_block"
+    if compile_config.regional:
+        return "regional"
     return "whole_with_loss" if dims.pp == 1 and dims.tp == 1 else "whole"
 
 
