@@ -22,6 +22,8 @@ and 1.2e-7 (pipeline); about 80 s for the job.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from tests.distributed_utils import run_on_ranks
@@ -44,13 +46,17 @@ CONFIGS = {
 }
 
 
+def _train_into(out: dict, layout) -> None:
+    out.update(train_steps(layout, RECIPE))
+
+
 def _train(rank: int, world_size: int) -> dict:
     results = {}
     for name, overrides in CONFIGS.items():
         layout = build_layout(job_config(*overrides), world_size)
         trained: dict = {}
         # Inductor's generated code of every graph compiled while training (tests/inductor_code.py).
-        generated = overlap_in_generated_code(lambda: trained.update(train_steps(layout, RECIPE)))
+        generated = overlap_in_generated_code(functools.partial(_train_into, trained, layout))
         out = {**trained, "generated_overlap": generated}
         out["mode"] = layout.plan.compile.mode
         out["recorders"] = [{"settings": r.settings, "graphs": r.graphs}
