@@ -24,7 +24,10 @@ def test_matrix_has_every_configuration_the_issue_asks_for():
     assert set(configs) == {
         "fsdp2_eager", "fsdp2_compile", "simple_eager", "simple_default",
         "simple_none", "simple_none_reorder", "simple_tb", "simple_tb_reorder", "simple_auto_reorder",
+        "simple_regional",
     }
+    regional = configs["simple_regional"]
+    assert regional.compiled and regional.simple and "--compile.regional=true" in regional.overrides
     assert not configs["fsdp2_eager"].compiled and not configs["fsdp2_eager"].simple
     assert configs["fsdp2_compile"].compiled and not configs["fsdp2_compile"].simple
     assert configs["simple_eager"].simple and not configs["simple_eager"].compiled
