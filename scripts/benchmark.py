@@ -145,8 +145,12 @@ def config_matrix() -> list[BenchConfig]:
         configs.append(BenchConfig(name, label, (*simple, *on, f"--compile.bucketing={bucketing}",
                                                  f"--compile.reorder={str(reorder).lower()}")))
     # Regional compilation (issue 21): one compiled code for every block, bucketed and reordered inside it.
-    configs.append(BenchConfig("simple_regional", "SimpleFSDP compiled regionally, transformer_block + reorder",
+    configs.append(BenchConfig("simple_regional", "SimpleFSDP compiled regionally (2 blocks per region)",
                                (*simple, *on, "--compile.regional=true")))
+    for blocks in (1, 4):
+        configs.append(BenchConfig(f"simple_regional_{blocks}",
+                                   f"SimpleFSDP compiled regionally ({blocks} block{'s' * (blocks > 1)} per region)",
+                                   (*simple, *on, "--compile.regional=true", f"--compile.regional_blocks={blocks}")))
     return configs
 
 

@@ -24,10 +24,13 @@ def test_matrix_has_every_configuration_the_issue_asks_for():
     assert set(configs) == {
         "fsdp2_eager", "fsdp2_compile", "simple_eager", "simple_default",
         "simple_none", "simple_none_reorder", "simple_tb", "simple_tb_reorder", "simple_auto_reorder",
-        "simple_regional",
+        "simple_regional", "simple_regional_1", "simple_regional_4",
     }
-    regional = configs["simple_regional"]
-    assert regional.compiled and regional.simple and "--compile.regional=true" in regional.overrides
+    for name, blocks in (("simple_regional", None), ("simple_regional_1", 1), ("simple_regional_4", 4)):
+        regional = configs[name]
+        assert regional.compiled and regional.simple and "--compile.regional=true" in regional.overrides
+        assert (f"--compile.regional_blocks={blocks}" in regional.overrides) == (blocks is not None)
+        assert not any("regional_blocks" in o for o in regional.overrides) or blocks is not None
     assert not configs["fsdp2_eager"].compiled and not configs["fsdp2_eager"].simple
     assert configs["fsdp2_compile"].compiled and not configs["fsdp2_compile"].simple
     assert configs["simple_eager"].simple and not configs["simple_eager"].compiled

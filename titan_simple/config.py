@@ -210,10 +210,17 @@ class Compile:
         "reduce-scatter's wait (auto bucketing always reorders)."
     )
     regional: bool = option(
-        False, "Regional compilation: compile one transformer block and reuse its code for every block (the "
-        "embedding, final norm, output and loss run eagerly). Start-up time hardly grows with depth; each "
-        "block's collectives are bucketed and reordered inside the block, none overlap across blocks "
-        "(docs/benchmarks.md, 'Compile time against depth')."
+        False, "Regional compilation: compile one region of regional_blocks transformer blocks and reuse its code "
+        "for every region (the embedding, final norm and output compile as small graphs; the loss runs eagerly). "
+        "Start-up time hardly grows with depth. Each region's collectives are bucketed and reordered inside it; "
+        "none overlap across regions (docs/benchmarks.md, 'Compile time against depth')."
+    )
+    regional_blocks: int = option(
+        2, "With regional = true: how many consecutive transformer blocks one compiled region holds. Inside a "
+        "region each bucket's all-gather is issued while the one before computes, as in the whole-model graph; "
+        "only a region's first all-gather and last reduce-scatter are exposed. More blocks per region: less "
+        "exposed, a longer compile (about one block's each). A depth that is not a multiple compiles its shorter "
+        "last region too."
     )
     cache_dir: str = option(
         "", "Where compiled graphs and kernels are kept for the next start (torch's compile caches); '' = "
@@ -600,8 +607,9 @@ def validate(config: JobConfig) -> None:
     _require(not compile_config.manual_bucketed_modules or compile_config.bucketing == "transformer_block", config,
              "compile", "manual_bucketed_modules", "[] unless bucketing = 'transformer_block' (the manual plan)")
     _require(not compile_config.manual_bucketed_modules or not compile_config.regional, config, "compile",
-             "manual_bucketed_modules", "[] with regional = true (each block is bucketed as its attention half and "
-             "its feed-forward half)")
+             "manual_bucketed_modules", "[] with regional = true (each region's buckets are its first block's "
+             "attention and feed-forward halves and its other blocks; regional_blocks sets how many)")
+    _require(compile_config.regional_blocks >= 1, config, "compile", "regional_blocks", "an integer >= 1")
     _validate_pipeline(config)
     _validate_checkpoint(config)
     _validate_validation_and_profiling(config)

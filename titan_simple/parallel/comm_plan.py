@@ -102,6 +102,27 @@ def _collective_of_wait(wait: fx.Node) -> fx.Node | None:
     return arg if isinstance(arg, fx.Node) and _target(arg) in COLLECTIVE_KINDS else None
 
 
+def overlap_order(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
+    """The ordering that makes ``graph``'s overlap real, as ``{node: [nodes it must run after]}``: for each
+    collective with compute between its start and its wait in the graph's order, the first of that compute runs
+    after the start, and the wait after the last of it (the compute the collective is meant to hide behind)."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    compute = [n for n in nodes if _is_compute(n)]
+    order: dict[fx.Node, list[fx.Node]] = {}
+    for wait in nodes:
+        if wait.op != "call_function" or _target(wait) is not _c10d.wait_tensor.default:
+            continue
+        start = _collective_of_wait(wait)
+        if start is None:
+            continue
+        between = [c for c in compute if pos[start] < pos[c] < pos[wait]]
+        if between:
+            order.setdefault(between[0], []).append(start)
+            order.setdefault(wait, []).append(between[-1])
+    return order
+
+
 def collective_bytes(node: fx.Node) -> int:
     """Bytes on the wire as one rank sees them: the gathered output of an all-gather, the input of a
     reduce-scatter / all-reduce."""

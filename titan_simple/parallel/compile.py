@@ -20,17 +20,18 @@ post-grad pass (``post_grad_custom_post_pass``) runs on the forward and on the b
   (forward and backward prefetch), and block i's reduce-scatter wait moves past block i-1's. ``none`` +
   reorder runs the overlap scheduler without bucketing. ``auto`` always reorders (``reorder=False`` is ignored
   there, with a warning). The chosen order is pinned with Inductor's ``control_deps``
-  (``insert_overlap_deps``), because Inductor's own scheduler would otherwise move each all-gather back next
-  to its wait.
+  (``insert_overlap_deps``, plus ``comm_plan.overlap_order`` in manual mode), because Inductor's own
+  scheduler would otherwise move each all-gather back next to its wait, or a wait before the compute meant to
+  hide it.
 * **comm plan**: the final graph's collectives, recorded and written to ``dump_folder`` (``comm_plan.py``).
 
-**Regional compilation** (``CompilePlan.compile_regional``, ``[compile] regional``) compiles the transformer
-blocks instead of the model: one options dict (one pass object) for all of them, so Dynamo reuses the first
-block's graphs for the others and compile time hardly grows with depth. The pass then buckets each block's
-collectives in two halves (``BLOCK_BUCKETS``) and overlaps one half's with the other half's compute (the
-generated code keeps that in backward; in forward Inductor waits for both all-gathers first); nothing overlaps
-across blocks. Compiling a repeated block once *inside* the whole graph is what torch's
-``nested_compile_region`` is for, but it fails on SimpleFSDP's DTensor gathers in torch 2.13
+**Regional compilation** (``CompilePlan.compile_regional``, ``[compile] regional``) compiles regions of
+``regional_blocks`` consecutive transformer blocks (``BlockRegion``) instead of the model: one options dict (one
+pass object) for all of them, so Dynamo reuses the first region's graphs for the others and compile time hardly
+grows with depth. The pass buckets each region (``region_bucket_plan``: the first block in two halves, the
+others whole) and reorders inside it, as in the whole-model graph; a region's first all-gather and last
+reduce-scatter have nothing to hide behind. Compiling a repeated block once *inside* the whole graph is what
+torch's ``nested_compile_region`` is for, but it fails on SimpleFSDP's DTensor gathers in torch 2.13
 (``scripts/repro_nested_compile_region.py``; docs/benchmarks.md, "Compile time against depth").
 
 The other modules: ``comm_plan.py`` reads the graphs, ``cpu_cost_model.py`` gives the scheduler runtime
@@ -55,11 +56,12 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from titan_simple.parallel.comm_plan import COLLECTIVE_KINDS, CommPlanRecorder
+from titan_simple.parallel.comm_plan import COLLECTIVE_KINDS, CommPlanRecorder, overlap_order
 from titan_simple.parallel.compile_cache import comm_plan_store
 from titan_simple.parallel.cpu_cost_model import CpuRuntimeEstimator, cpu_roofline
 from titan_simple.parallel.torch_private import (
     CustomGraphPass,
+    add_control_deps,
     async_tensor_parallel_options,
     manual_bucketing_only,
     manual_overlap_bucketing,
@@ -133,6 +135,13 @@ class _OverlapPass(CustomGraphPass):
                 # scheduler (peak-memory reordering) sinks every all-gather back next to its wait, and the
                 # generated code overlaps nothing (measured: 0 compute kernels between any start and wait).
                 manual_overlap_bucketing(gm, self.plan, insert_overlap_deps=True)
+                # Its deps pin "the next collective starts before this wait", not "this collective overlaps
+                # the compute between its start and its wait": in a transformer block's graph (regional)
+                # Inductor then waited for both all-gathers before the attention compute, and fused the two
+                # norms' weight gradients, which delayed the feed-forward reduce-scatter to the block's end
+                # (measured). Pin that too.
+                add_control_deps(gm.graph, overlap_order(gm.graph))
+                gm.recompile()
             else:
                 manual_bucketing_only(gm, self.plan)
                 gm.recompile()
@@ -192,6 +201,7 @@ class CompilePlan:
     # Names this run's graphs for the comm plan's copy in the compile cache (train/plan.py; "" = keep none).
     fingerprint: str = ""
     async_tensor_parallel: bool = False  # Inductor's micro-pipelined TP (CUDA only; train/plan.py checks)
+    region_blocks: int = 1  # regional: consecutive transformer blocks compiled as one region
 
     def inductor_options(self) -> dict[str, Any]:
         """The Inductor settings of this compile that do not depend on the graph (``compile_model`` adds its
@@ -216,14 +226,14 @@ class CompilePlan:
                              extra_options=self.inductor_options(), fingerprint=self.fingerprint)
 
     def compile_regional(self, model: nn.Module) -> CommPlanRecorder | None:
-        """Regional compilation: compile ``model``'s transformer blocks with one shared pass, so Dynamo reuses the
-        first block's graphs for every other block (their guards pass: same class, shapes and settings), and
-        compile time hardly grows with depth. Each block's collectives are bucketed (``BLOCK_BUCKETS`` with
-        transformer_block bucketing) and, with reorder, the feed-forward half's all-gather is issued before the
-        attention half computes (in backward, the feed-forward half's reduce-scatter runs while the attention
-        half computes). Inductor's generated code keeps the backward's overlap; in forward it waits for both
-        all-gathers before the attention compute (measured, tests/test_regional_compile.py). Nothing overlaps
-        across blocks: each block's graph waits for its own collectives."""
+        """Regional compilation: group ``model``'s transformer blocks into regions of ``region_blocks``
+        consecutive blocks (``BlockRegion``; the model runs them through ``Transformer.block_regions``) and
+        compile every region with one shared pass, so Dynamo reuses the first region's graphs for every other
+        region of its size (their guards pass: same class, shapes and settings), and compile time hardly grows
+        with depth. The pass buckets each region's collectives (``region_bucket_plan``) and, with reorder, issues
+        each bucket's all-gather while the bucket before it computes (in backward, each reduce-scatter runs
+        while the bucket after it computes). A region's first all-gather and last reduce-scatter have nothing of
+        the region to hide behind: across regions nothing overlaps."""
         blocks = list(model.layers.values())
         # The embedding, final norm and output projection (one parameter each: nothing to bucket), present
         # or not on a pipeline stage, compile as small graphs of their own; under tensor parallel (their
@@ -233,17 +243,20 @@ class CompilePlan:
             module = getattr(model, name, None)
             if module is not None and not (module._forward_pre_hooks or module._forward_hooks):
                 self._compile_forward(module)
+        size = self.region_blocks
+        regions = [BlockRegion(blocks[i : i + size]) for i in range(0, len(blocks), size)]
+        model.block_regions = regions
         first = _REGIONAL_COMPILES.get(self)
         if first is not None:  # another pipeline stage of this rank: the same options, so the same code
-            for block in blocks:
-                block.compile(backend=self.backend, fullgraph=True, options=first.compile_options)
+            for region in regions:
+                region.compile(backend=self.backend, fullgraph=True, options=first.compile_options)
             model.comm_plan_recorder = first
             return first
-        plan = BLOCK_BUCKETS if self.bucketing == "transformer_block" else None
+        plan = region_bucket_plan(size) if self.bucketing == "transformer_block" else None
         recorder = compile_model(model, backend=self.backend, bucketing=self.bucketing, manual_plan=plan,
                                  reorder=self.reorder, dump_folder=self.dump_folder,
                                  extra_options=self.inductor_options(), fingerprint=self.fingerprint,
-                                 modules=blocks)
+                                 modules=regions)
         if recorder is not None:
             _REGIONAL_COMPILES[self] = recorder
         return recorder
@@ -267,6 +280,32 @@ class CompilePlan:
 
 
 _REGIONAL_COMPILES: dict[CompilePlan, CommPlanRecorder] = {}  # the first regional compile of each plan
+
+
+class BlockRegion(nn.Module):
+    """Consecutive transformer blocks that run as one compiled region (regional compilation). The model keeps
+    it outside its module tree (``Transformer.block_regions`` is a plain list), so parameter names, state_dict
+    and checkpoints stay as they are."""
+
+    def __init__(self, blocks: Sequence[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, h: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            h = block(h, freqs_cis)
+        return h
+
+
+def region_bucket_plan(blocks: int) -> list[list[str]]:
+    """The buckets of a region of ``blocks`` blocks, by module name inside the region: the first block as its
+    two halves (``BLOCK_BUCKETS``), every other block whole (as the whole-model plan). A region's first
+    all-gather and its last reduce-scatter (in backward, the first block's) have nothing of the region to hide
+    behind; splitting the first block makes them its attention half's only (a quarter of a Llama block's
+    weights), while the feed-forward half's overlap the attention half's compute. A shorter last region (depth
+    not a multiple of ``blocks``) finds no modules for the names past its end: those buckets are empty."""
+    first = [[f"blocks.0.{name}" for name in bucket] for bucket in BLOCK_BUCKETS]
+    return first + [[f"blocks.{i}"] for i in range(1, blocks)]
 
 
 def _forward_of(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -296,9 +335,9 @@ def compile_model(
     ``comm_plan.json`` / ``.txt`` go (rank 0). ``plan_root``: the submodule holding the transformer blocks when
     ``model`` wraps the model (plan entries are then prefixed with it). ``extra_options``: more Inductor settings
     for this compile (``CompilePlan.inductor_options``). ``fingerprint``: names these graphs for the comm
-    plan's copy in the compile cache (``compile_cache.py``). ``modules``: compile these submodules of ``model``
-    (one code for all of them, regional compilation) instead of ``model`` itself; ``manual_plan`` then names
-    modules inside one of them. The recorder is also left on ``model`` as
+    plan's copy in the compile cache (``compile_cache.py``). ``modules``: compile these modules (the ``BlockRegion``s of
+    ``model``'s blocks: one code for all of them, regional compilation) instead of ``model`` itself;
+    ``manual_plan`` then names modules inside one of them. The recorder is also left on ``model`` as
     ``comm_plan_recorder`` (``comm_plan_recorders`` finds it). Must be called on every rank (the CPU estimator
     calibrates with collectives).
     """

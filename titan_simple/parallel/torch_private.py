@@ -74,6 +74,8 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
      "comm_plan.py / cpu_cost_model.py: Inductor's own test for a compute node"),
     (control_dependencies, "control_deps",
      "comm_plan.py: the wrapper that pins our order (insert_overlap_deps); the plan reads through it"),
+    (control_dependencies, "preserve_node_ordering",
+     "add_control_deps (compile.py): pins a collective's wait after the compute it should hide behind"),
     (runtime_estimation, "get_device_tflops",
      "cpu_cost_model.py: replaced on CPU while our pass runs (it asks triton / CUDA for peak FLOP/s)"),
     (runtime_estimation, "get_gpu_dram_gbps",
@@ -113,6 +115,19 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
     (micro_pipeline_tp, "_find_producer_matmul",
      "async_tensor_parallel_matches: whether a reduce-scatter's input is a matmul's output"),
 )
+
+
+def add_control_deps(graph: torch.fx.Graph, deps: dict[torch.fx.Node, list[torch.fx.Node]]) -> None:
+    """Make each node of ``deps`` run after the nodes it maps to, in Inductor's generated code, as
+    ``insert_overlap_deps`` does (``preserve_node_ordering`` wraps a node in ``control_deps(deps, subgraph,
+    *inputs)``). A node that is already wrapped gets the extra dependencies added to its wrapper's ``deps``."""
+    fresh = {}
+    for node, after in deps.items():
+        if node.target is control_deps:
+            node.args = (tuple(dict.fromkeys((*node.args[0], *after))), *node.args[1:])
+        else:
+            fresh[node] = list(dict.fromkeys(after))  # torch annotates an OrderedSet; it only iterates it
+    control_dependencies.preserve_node_ordering(graph, fresh)
 
 
 def op_schema(op: OpOverload) -> torch.FunctionSchema:

@@ -146,7 +146,8 @@ class RunPlan:
         else:
             what = {"whole": "whole model / stage", "whole_with_loss": "model + loss as one graph",
                     "per_block": "each transformer block",
-                    "regional": "one code for every transformer block (regional)"}[compile_plan.mode]
+                    "regional": f"regional, one code for every region of {compile_plan.region_blocks} "
+                                f"transformer block{'s' * (compile_plan.region_blocks > 1)}"}[compile_plan.mode]
             passes = (f", bucketing {compile_plan.bucketing}, reorder {'on' if compile_plan.reorder else 'off'}"
                       if compile_plan.mode != "per_block" and compile_plan.backend == "inductor" else "")
             async_tp = ", async TP" if compile_plan.async_tensor_parallel else ""
@@ -183,6 +184,7 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
         mode=compile_mode, backend=compile_config.backend, bucketing=compile_config.bucketing,
         manual_plan=tuple(p if isinstance(p, str) else tuple(p) for p in compile_config.manual_bucketed_modules),
         reorder=compile_config.reorder, dump_folder=config.job.dump_folder,
+        region_blocks=compile_config.regional_blocks if compile_mode == "regional" else 1,
         async_tensor_parallel=choose_async_tensor_parallel(config, dims, device_type),
         cache_dir=compile_cache_folder(config),
     )
@@ -363,8 +365,8 @@ def choose_compile_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str
     stages when a pp rank runs several of them (Interleaved1F1B, LoopedBFS): torch 2.13 fails to compile them
     (AOTAutograd's partitioner: "Node tangents_2 was invalid, but is output";
     scripts/repro_tp_pp_whole_stage_compile.py). With one stage per rank (GPipe, 1F1B) TP stages compile whole.
-    ``[compile] regional`` asks for one compiled code for every block (SimpleFSDP layouts that would compile
-    whole; the loss then runs eagerly).
+    ``[compile] regional`` asks for one compiled code for every region of ``regional_blocks`` blocks (SimpleFSDP
+    layouts that would compile whole; the loss then runs eagerly).
     The loss compiles with the model (one graph: Inductor fuses the fp32 cross-entropy) without pipeline
     parallel (the schedule calls the loss) and tensor parallel (the loss runs on DTensors under loss_parallel).
     """
