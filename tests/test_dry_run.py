@@ -79,6 +79,29 @@ def test_8b_fsdp8_parameter_memory_is_exactly_a_shard(tmp_path):
     assert "tokens/s/GPU" in proc.stdout and 0 < report["mfu"] < 1
 
 
+def test_regional_compile_exposes_the_first_bucket_of_every_graph(tmp_path):
+    """8B on 8 H100s, compute-bound: the whole-model graph exposes one bucket of its data-parallel traffic (34
+    buckets: the embedding, 32 blocks, [norm, output]); regional compilation in regions of 2 blocks exposes the
+    embedding, norm and output graphs' and each region's first attention half, by their share of the weights."""
+    reports = {}
+    for name, extra in (("whole", ()), ("regional", ("--compile.regional",))):
+        proc, reports[name] = dry_run(tmp_path / name, "--config", "llama3_8b.toml", "--dry_run.world_size", "8",
+                                      "--dry_run.device", "h100", *extra)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert reports[name]["comm_overlapped"]
+    with __import__("torch").device("meta"):
+        model = Transformer(LLAMA3_FLAVORS["8B"])
+    size = lambda *modules: sum(p.numel() for m in modules for p in m.parameters())  # noqa: E731
+    exposed = size(model.tok_embeddings, model.norm, model.output) + sum(
+        size(block.attention_norm, block.attention) for block in list(model.layers.values())[::2])
+    expected = {"whole": 1 / 34, "regional": exposed / size(model)}
+    for name, report in reports.items():
+        seconds = report["time_seconds"]
+        assert seconds["data_parallel_comm_exposed"] == pytest.approx(
+            seconds["data_parallel_comm"] * expected[name], rel=1e-6), name
+    assert expected["regional"] > expected["whole"]
+
+
 @pytest.mark.slow
 def test_collective_counts_match_a_real_two_process_run(tmp_path):
     """The fake-rank trace issues exactly the collectives a real 2-process gloo step issues. In fp32: without

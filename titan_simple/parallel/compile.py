@@ -72,8 +72,9 @@ from titan_simple.parallel.torch_private import (
 logger = logging.getLogger(__name__)
 
 BUCKETING_MODES = ("none", "transformer_block", "auto")
-# A transformer block's buckets under regional compilation, by module name inside the block: the attention half
-# and the feed-forward half, so that with reorder one half's all-gather can run while the other half computes.
+# The two buckets of a region's first block under regional compilation (``region_bucket_plan``), by module name
+# inside the block: the attention half and the feed-forward half, so that the feed-forward half's all-gather
+# runs while the attention half computes.
 BLOCK_BUCKETS: tuple[tuple[str, ...], ...] = (("attention_norm", "attention"), ("ffn_norm", "feed_forward"))
 # The modules whose code decides what the post-grad pass does to a graph (part of its cache key).
 _PASS_SOURCES = tuple(Path(__file__).with_name(name) for name in
@@ -301,8 +302,8 @@ def region_bucket_plan(blocks: int) -> list[list[str]]:
     """The buckets of a region of ``blocks`` blocks, by module name inside the region: the first block as its
     two halves (``BLOCK_BUCKETS``), every other block whole (as the whole-model plan). A region's first
     all-gather and its last reduce-scatter (in backward, the first block's) have nothing of the region to hide
-    behind; splitting the first block makes them its attention half's only (a quarter of a Llama block's
-    weights), while the feed-forward half's overlap the attention half's compute. A shorter last region (depth
+    behind; splitting the first block makes them its attention half's only (a fifth to a quarter of a Llama 3
+    block's weights), while the feed-forward half's overlap the attention half's compute. A shorter last region (depth
     not a multiple of ``blocks``) finds no modules for the names past its end: those buckets are empty."""
     first = [[f"blocks.0.{name}" for name in bucket] for bucket in BLOCK_BUCKETS]
     return first + [[f"blocks.{i}"] for i in range(1, blocks)]

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from titan_simple.parallel.compile import transformer_block_plan
+from titan_simple.parallel.compile import BLOCK_BUCKETS, transformer_block_plan
 from titan_simple.parallel.tensor_parallel import loss_parallel_context
 from titan_simple.planning.trace import Collective, OpCost, StepTracer, fused_attention, ignoring_shape_propagation
 from titan_simple.train.build import build_model_parts
@@ -53,6 +53,9 @@ class StageTrace:
     boundary_bytes: int  # the activation sent to the next stage (pipeline), per microbatch
     buckets: int  # compile bucketing "transformer_block": one per block, embedding, [norm, output]
     parameter_tensors: int
+    # Regional compilation: the parameter bytes whose collectives no compute of their graph hides (the
+    # embedding, norm and output graphs, and each region's first bucket, its first block's attention half).
+    region_exposed_bytes: int = 0
 
 
 def _local_bytes(tensors) -> int:
@@ -103,7 +106,17 @@ def _trace_part(part: nn.Module, stage: int | None, run: RunPlan, tracer: StepTr
     peak = max(tracer.phase_peaks.get("forward", 0), tracer.phase_peaks.get("backward", 0))
     layers = [int(name) for name in part.layers.keys()]
     return StageTrace(stage, layers, kept, peak, boundary, len(transformer_block_plan(part)),
-                      sum(1 for _ in part.parameters()))
+                      sum(1 for _ in part.parameters()), _region_exposed_bytes(part, run.compile.region_blocks))
+
+
+def _region_exposed_bytes(part: nn.Module, region_blocks: int) -> int:
+    """``StageTrace.region_exposed_bytes`` of ``part`` in regions of ``region_blocks`` blocks
+    (``parallel/compile.region_bucket_plan``)."""
+    exposed = [module for name in ("tok_embeddings", "norm", "output")
+               if (module := getattr(part, name, None)) is not None]
+    for first in list(part.layers.values())[::region_blocks]:
+        exposed += [first.get_submodule(name) for name in BLOCK_BUCKETS[0]]
+    return _local_bytes(param for module in exposed for param in module.parameters())
 
 
 @contextlib.contextmanager

@@ -19,7 +19,8 @@ weights, logits, the foreach optimizer's temporaries) plus the other in-flight m
   group fits in one node (the mesh puts tp innermost, then dp_shard, dp_replicate, pp), else the NIC;
 * overlap: data-parallel collectives are hidden behind compute when the compiled graph reorders them
   (``[compile] reorder`` or ``bucketing = auto``; ``[dry_run] comm_overlap`` overrides), except what exceeds
-  the compute and one bucket's worth that nothing can hide; tensor-parallel collectives and pipeline
+  the compute and what nothing can hide (``exposed_dp_floor``: one bucket's worth in one graph; under
+  regional compilation every graph's first bucket); tensor-parallel collectives and pipeline
   send/recv sit on the critical path (exposed), except under async tensor parallel
   (``async_tensor_parallel_exposed``);
 * pipeline bubble: ``(pp - 1)`` stage passes for GPipe / 1F1B, ``(pp - 1)`` chunk passes (1/v of a stage) for
@@ -144,14 +145,24 @@ def collective_seconds(kind: str, nbytes: float, dim: MeshDim, spec: DeviceSpec,
 
 def comm_overlapped(run: RunPlan) -> bool:
     """``auto``: overlapped when Inductor reorders the data-parallel collectives of a whole-model (or stage)
-    graph. A layout compiled block by block has no such graph; regional compilation overlaps one half of a
-    block's collectives with the other half's compute and nothing across blocks, priced here as exposed (an
-    upper bound)."""
+    graph, or of each region under regional compilation (``exposed_dp_floor`` says what stays exposed). A layout
+    compiled block by block has no such graph."""
     choice = run.config.dry_run.comm_overlap
     if choice != "auto":
         return choice == "overlapped"
     compile_plan = run.compile
-    return compile_plan.whole_graph and (compile_plan.reorder or compile_plan.bucketing == "auto")
+    return ((compile_plan.whole_graph or compile_plan.mode == "regional")
+            and (compile_plan.reorder or compile_plan.bucketing == "auto"))
+
+
+def exposed_dp_floor(run: RunPlan, trace: RankTrace, dp_comm_s: float) -> float:
+    """The data-parallel seconds no compute can hide even when overlapped: in one graph the first bucket's
+    (``dp_comm_s`` over the number of buckets); under regional compilation every collective that has nothing of
+    its own graph to run behind (``StageTrace.region_exposed_bytes``: the embedding, norm and output graphs, and
+    each region's first block's attention half), by its share of the parameter bytes."""
+    if run.compile.mode == "regional":
+        return dp_comm_s * sum(part.region_exposed_bytes for part in trace.parts) / max(trace.parameter_bytes, 1)
+    return dp_comm_s / sum(part.buckets for part in trace.parts)
 
 
 def suggestion(largest: str, run: RunPlan) -> str:
@@ -314,7 +325,7 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
     n_buckets = sum(part.buckets for part in trace.parts)
     n_tensors = sum(part.parameter_tensors for part in trace.parts)
     if overlapped:
-        dp_exposed_pass = max(dp_comm_pass - compute_pass, dp_comm_pass / n_buckets)
+        dp_exposed_pass = max(dp_comm_pass - compute_pass, exposed_dp_floor(run, trace, dp_comm_pass))
     else:
         dp_exposed_pass = dp_comm_pass
     pass_s = compute_pass + dp_exposed_pass + exposed_pass + p2p_pass
