@@ -77,29 +77,30 @@ def test_8b_fsdp8_parameter_memory_is_exactly_a_shard(tmp_path):
     # its gradient reduce-scattered once (fp32); 32 blocks x 9 + embedding + norm + output = 291 parameters.
     assert kinds == {("dp_shard", "all_gather", "bfloat16"): 2 * 291, ("dp_shard", "reduce_scatter", "float32"): 291}
     assert "tokens/s/GPU" in proc.stdout and 0 < report["mfu"] < 1
+    # Compiled with reorder: the data-parallel traffic hides behind compute but for one of its 34 buckets (the
+    # embedding, 32 blocks, [norm, output]).
+    seconds = report["time_seconds"]
+    assert report["comm_overlapped"]
+    assert seconds["data_parallel_comm_exposed"] == pytest.approx(seconds["data_parallel_comm"] / 34, rel=1e-6)
 
 
 def test_regional_compile_exposes_the_first_bucket_of_every_graph(tmp_path):
-    """8B on 8 H100s, compute-bound: the whole-model graph exposes one bucket of its data-parallel traffic (34
-    buckets: the embedding, 32 blocks, [norm, output]); regional compilation in regions of 2 blocks exposes the
-    embedding, norm and output graphs' and each region's first attention half, by their share of the weights."""
-    reports = {}
-    for name, extra in (("whole", ()), ("regional", ("--compile.regional",))):
-        proc, reports[name] = dry_run(tmp_path / name, "--config", "llama3_8b.toml", "--dry_run.world_size", "8",
-                                      "--dry_run.device", "h100", *extra)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert reports[name]["comm_overlapped"]
+    """8B on 8 H100s, compute-bound: regional compilation in regions of 2 blocks exposes the embedding, norm and
+    output graphs' data-parallel traffic and each region's first attention half's, by their share of the
+    weights (the whole-model graph exposes one bucket: test_8b_fsdp8_parameter_memory_is_exactly_a_shard)."""
+    proc, report = dry_run(tmp_path, "--config", "llama3_8b.toml", "--dry_run.world_size", "8",
+                           "--dry_run.device", "h100", "--compile.regional")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert report["comm_overlapped"]
     with __import__("torch").device("meta"):
         model = Transformer(LLAMA3_FLAVORS["8B"])
     size = lambda *modules: sum(p.numel() for m in modules for p in m.parameters())  # noqa: E731
     exposed = size(model.tok_embeddings, model.norm, model.output) + sum(
         size(block.attention_norm, block.attention) for block in list(model.layers.values())[::2])
-    expected = {"whole": 1 / 34, "regional": exposed / size(model)}
-    for name, report in reports.items():
-        seconds = report["time_seconds"]
-        assert seconds["data_parallel_comm_exposed"] == pytest.approx(
-            seconds["data_parallel_comm"] * expected[name], rel=1e-6), name
-    assert expected["regional"] > expected["whole"]
+    seconds = report["time_seconds"]
+    assert seconds["data_parallel_comm_exposed"] == pytest.approx(
+        seconds["data_parallel_comm"] * exposed / size(model), rel=1e-6)
+    assert exposed / size(model) > 0.2  # the embedding and output are 6.5% of the weights each
 
 
 @pytest.mark.slow

@@ -151,15 +151,14 @@ def comm_overlapped(run: RunPlan) -> bool:
     if choice != "auto":
         return choice == "overlapped"
     compile_plan = run.compile
-    return ((compile_plan.whole_graph or compile_plan.mode == "regional")
-            and (compile_plan.reorder or compile_plan.bucketing == "auto"))
+    overlapping = compile_plan.whole_graph or compile_plan.mode == "regional"
+    return overlapping and (compile_plan.reorder or compile_plan.bucketing == "auto")
 
 
 def exposed_dp_floor(run: RunPlan, trace: RankTrace, dp_comm_s: float) -> float:
-    """The data-parallel seconds no compute can hide even when overlapped: in one graph the first bucket's
-    (``dp_comm_s`` over the number of buckets); under regional compilation every collective that has nothing of
-    its own graph to run behind (``StageTrace.region_exposed_bytes``: the embedding, norm and output graphs, and
-    each region's first block's attention half), by its share of the parameter bytes."""
+    """The data-parallel seconds no compute can hide even when overlapped: one bucket's in one graph; under
+    regional compilation what has nothing of its own graph to run behind, by its share of the parameter bytes
+    (``StageTrace.region_exposed_bytes``: the embedding, norm and output graphs, each region's first half-block)."""
     if run.compile.mode == "regional":
         return dp_comm_s * sum(part.region_exposed_bytes for part in trace.parts) / max(trace.parameter_bytes, 1)
     return dp_comm_s / sum(part.buckets for part in trace.parts)
