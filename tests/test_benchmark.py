@@ -29,8 +29,8 @@ def test_matrix_has_every_configuration_the_issue_asks_for():
     for name, blocks in (("simple_regional", None), ("simple_regional_1", 1), ("simple_regional_4", 4)):
         regional = configs[name]
         assert regional.compiled and regional.simple and "--compile.regional=true" in regional.overrides
-        assert (f"--compile.regional_blocks={blocks}" in regional.overrides) == (blocks is not None)
-        assert not any("regional_blocks" in o for o in regional.overrides) or blocks is not None
+        blocks_overrides = [o for o in regional.overrides if "regional_blocks" in o]
+        assert blocks_overrides == ([] if blocks is None else [f"--compile.regional_blocks={blocks}"])
     assert not configs["fsdp2_eager"].compiled and not configs["fsdp2_eager"].simple
     assert configs["fsdp2_compile"].compiled and not configs["fsdp2_compile"].simple
     assert configs["simple_eager"].simple and not configs["simple_eager"].compiled

@@ -111,9 +111,9 @@ def test_every_region_runs_one_compiled_code_that_overlaps_its_collectives(ranks
     assert all(m.startswith("blocks.0.attention") for m in reduce_scatters[2]["modules"]), reduce_scatters[2]
     # The code Inductor generated: 8 graphs (region, embedding, norm, output; forward and backward each). In the
     # region's forward every all-gather but the first has compute kernels between its start and its wait; in
-    # its backward all but the first re-gather and the last reduce-scatter (measured [0, 7, 7] and
-    # [1, 27, 11, 11, 16, 0]; without our control dependencies Inductor waited for every all-gather of a
-    # block before its compute: [0, 0] with one block per region).
+    # its backward every collective but the region's last reduce-scatter (measured [0, 7, 7] and
+    # [1, 27, 11, 11, 16, 0], the first re-gather with 1 kernel). Without our control dependencies Inductor
+    # waited for every all-gather of a block before its compute: [0, 0] with one block per region.
     gaps = result["generated_overlap"]
     assert len(gaps) == 8, gaps
     (region_forward,) = [g for g in gaps if len(g) == 3]
