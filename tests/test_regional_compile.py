@@ -4,14 +4,14 @@ One set of 2 gloo processes trains test_pipeline's recipe (6-layer debug model, 
 clipping active) through the trainer's own build and step, with the default 2 blocks per region:
 
 * SimpleFSDP fully_shard over 2 ranks, compiled regionally, matches the single-process reference (losses and
-  gradient norms). Dynamo compiles 4 frames: one for all 3 regions, and the embedding, final norm and output
-  projection. The comm plan has one forward and one backward region graph (a region compiled a second time
-  would add ``forward_1``). Each region graph buckets its collectives as the first block's attention half, its
-  feed-forward half and the second block: forward 3 all-gathers, the second and third overlapping the compute
-  before them (the second block's weights arrive while the first block computes); backward the same 3
-  all-gathers again (reshard after forward) and 3 reduce-scatters, all but the region's last overlapped.
-  Inductor's generated code keeps that overlap in both graphs (compute kernels between a collective's start
-  and its wait): the order our pass pins with control dependencies (``comm_plan.overlap_order``).
+  gradient norms). Dynamo compiles 3 frames: one for the first 2 regions, one for the last (which also runs the
+  final norm and output projection) and the embedding. Each region graph buckets its collectives as the first
+  block's attention norm + wq, the rest of its attention, its feed-forward, the second block but its w2, that
+  w2, and (last region) the norm + output: one all-gather per bucket in forward, each but the first
+  overlapping the compute before it; in backward the same all-gathers again (reshard after forward) and one
+  reduce-scatter per bucket, all but the region's last overlapped. Inductor's generated code keeps that
+  overlap in both graphs (compute kernels between a collective's start and its wait): the order our pass pins
+  with control dependencies (``comm_plan.overlap_order``).
 * Tensor parallel over the 2 ranks (sequence parallel, loss parallel), compiled regionally, matches too.
 * An Interleaved1F1B pipeline (2 stages per rank, of 2 and 1 blocks) compiled regionally: both stages of a rank
   share the first stage's compile and comm plan (one graph per region length), and the losses match the
@@ -34,7 +34,7 @@ from tests.parity import COMPILED_RTOL, SHARDED_NORM_RTOL, build_layout, max_rel
 from tests.test_pipeline import RECIPE, assert_parity, job_config, train_reference
 from titan_simple.config import load_job_config
 from titan_simple.errors import ConfigError
-from titan_simple.parallel.compile import BLOCK_BUCKETS, comm_plan_recorders, region_bucket_plan
+from titan_simple.parallel.compile import bucket_modules, comm_plan_recorders, region_bucket_plan
 
 REGIONAL = ("--compile.enable", "--compile.regional")
 CONFIGS = {
@@ -61,6 +61,10 @@ def _train(rank: int, world_size: int) -> dict:
         generated = overlap_in_generated_code(functools.partial(_train_into, trained, layout))
         out = {**trained, "generated_overlap": generated}
         out["mode"] = layout.plan.compile.mode
+        # The bytes of each bucket (fp32, gathered) of the last region, which runs the final norm and output too.
+        last_region = layout.parts.modules[-1].block_regions[-1]
+        out["bucket_bytes"] = [sum(4 * p.numel() for m in bucket_modules(last_region, names) for p in m.parameters())
+                               for names in region_bucket_plan(2)]
         out["recorders"] = [{"settings": r.settings, "graphs": r.graphs}
                             for r in comm_plan_recorders(layout.parts.modules)]
         results[name] = out
@@ -91,41 +95,60 @@ def test_regional_compile_matches_single_process(ranks, reference, name):
 def test_every_region_runs_one_compiled_code_that_overlaps_its_collectives(ranks):
     result = ranks[0]["fully_shard"]
     assert result["graph_breaks"] == {}
-    assert result["unique_graphs"] == 4  # the regions, tok_embeddings, norm, output
+    assert result["unique_graphs"] == 3  # the regions, the last region (with the norm and output), tok_embeddings
     (recorder,) = result["recorders"]
     assert recorder["settings"]["plan"] == region_bucket_plan(2)
     graphs = recorder["graphs"]
-    assert sorted(graphs) == ["backward", "forward"]
-    forward = graphs["forward"]
-    assert [(c["kind"], c["exposed"]) for c in forward] == [("all_gather", True), ("all_gather", False),
-                                                            ("all_gather", False)]
-    # Across blocks: the second block's all-gather is issued while the first block's feed-forward computes.
-    assert any((o["module"] or "").startswith("blocks.0.feed_forward") for o in forward[2]["overlaps"]), forward[2]
-    backward = graphs["backward"]
-    assert sorted(c["kind"] for c in backward) == ["all_gather"] * 3 + ["reduce_scatter"] * 3
-    reduce_scatters = [c for c in backward if c["kind"] == "reduce_scatter"]
-    # The second block's, then the first block's feed-forward half, both while compute runs; the region's last,
-    # the first block's attention half, has nothing of the region left to hide behind.
-    assert [c["exposed"] for c in reduce_scatters] == [False, False, True], reduce_scatters
-    assert all(m.startswith("blocks.1.") for m in reduce_scatters[0]["modules"]), reduce_scatters[0]
-    assert all(m.startswith("blocks.0.attention") for m in reduce_scatters[2]["modules"]), reduce_scatters[2]
-    # The code Inductor generated: 8 graphs (region, embedding, norm, output; forward and backward each). In the
-    # region's forward every all-gather but the first has compute kernels between its start and its wait; in
-    # its backward every collective but the region's last reduce-scatter (measured [0, 7, 7] and
-    # [1, 27, 11, 11, 16, 0], the first re-gather with 1 kernel). Without our control dependencies Inductor
-    # waited for every all-gather of a block before its compute: [0, 0] with one block per region.
+    # The first two regions share "forward"; the last one compiled its own ("forward_1"), and its backward ran
+    # first ("backward").
+    assert sorted(graphs) == ["backward", "backward_1", "forward", "forward_1"]
+    buckets = result["bucket_bytes"]  # the first block's norm + wq, wk..wo, feed-forward; the second block, its w2;
+    assert len(buckets) == 6 and all(buckets), buckets  # the norm + output
+    for name, sizes in (("forward", buckets[:-1]), ("forward_1", buckets)):
+        gathers = graphs[name]
+        # One all-gather per bucket, in order; each but the first issued while the bucket before it computes.
+        assert [(c["kind"], c["bytes"]) for c in gathers] == [("all_gather", b) for b in sizes], (name, gathers)
+        assert [c["exposed"] for c in gathers] == [True] + [False] * (len(sizes) - 1), (name, gathers)
+    for name, sizes in (("backward_1", buckets[:-1]), ("backward", buckets)):
+        collectives = graphs[name]
+        # Buckets in reverse: the first re-gather is the last bucket's (w2, or the norm + output, the smallest
+        # tails); every reduce-scatter but the region's last (the first block's norm + wq) runs while the bucket
+        # before it computes its gradients.
+        assert collectives[0]["kind"] == "all_gather" and collectives[0]["bytes"] == sizes[-1], (name, collectives)
+        reduce_scatters = [c for c in collectives if c["kind"] == "reduce_scatter"]
+        assert [c["bytes"] for c in reduce_scatters] == sizes[::-1], (name, reduce_scatters)
+        assert [c["exposed"] for c in reduce_scatters] == [False] * (len(sizes) - 1) + [True], (name, collectives)
+        assert sum(c["kind"] == "all_gather" for c in collectives) == len(sizes)
+    # The code Inductor generated: 6 graphs (the two region codes and the embedding, forward and backward
+    # each). In a region's forward every all-gather but the first has compute kernels between its start and
+    # its wait; in its backward all but the first re-gather and the last reduce-scatter (measured [0, 2, 7, 7,
+    # 14] and [1, 3, 24, 23, 11, 11, 11, 12, 5, 0], the first re-gather with 1 kernel). Without our control
+    # dependencies Inductor waited for every all-gather of a block before its compute.
     gaps = result["generated_overlap"]
-    assert len(gaps) == 8, gaps
-    (region_forward,) = [g for g in gaps if len(g) == 3]
-    (region_backward,) = [g for g in gaps if len(g) == 6]
-    assert region_forward[0] == 0 and min(region_forward[1:]) > 0, gaps
-    assert sum(n > 0 for n in region_backward) >= 4, gaps
+    assert len(gaps) == 6, gaps
+    region_forwards = [g for g in gaps if len(g) in (5, 6)]
+    region_backwards = [g for g in gaps if len(g) in (10, 12)]
+    assert len(region_forwards) == len(region_backwards) == 2, gaps
+    for forward in region_forwards:
+        assert forward[0] == 0 and min(forward[1:]) > 0, gaps
+    for backward in region_backwards:
+        assert sum(n > 0 for n in backward[1:-1]) == len(backward) - 2, gaps
 
 
-def test_a_region_splits_its_first_block_in_halves():
-    halves = [[f"blocks.0.{name}" for name in bucket] for bucket in BLOCK_BUCKETS]
-    assert region_bucket_plan(1) == halves
-    assert region_bucket_plan(3) == [*halves, ["blocks.1"], ["blocks.2"]]
+def test_a_region_buckets_its_first_and_last_blocks_finely():
+    head = ["norm", "output"]
+    assert region_bucket_plan(1) == [
+        ["blocks.0.attention_norm", "blocks.0.attention.wq"],
+        ["blocks.0.attention.wk", "blocks.0.attention.wv", "blocks.0.attention.wo"],
+        ["blocks.0.ffn_norm", "blocks.0.feed_forward.w1", "blocks.0.feed_forward.w3"],
+        ["blocks.0.feed_forward.w2"], head]
+    three = region_bucket_plan(3)
+    assert three[:3] == [["blocks.0.attention_norm", "blocks.0.attention.wq"],
+                         ["blocks.0.attention.wk", "blocks.0.attention.wv", "blocks.0.attention.wo"],
+                         ["blocks.0.ffn_norm", "blocks.0.feed_forward"]]
+    assert three[3:] == [["blocks.1"], ["blocks.2.attention_norm", "blocks.2.attention", "blocks.2.ffn_norm",
+                                         "blocks.2.feed_forward.w1", "blocks.2.feed_forward.w3"],
+                         ["blocks.2.feed_forward.w2"], head]
 
 
 @pytest.mark.slow

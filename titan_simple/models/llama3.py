@@ -324,8 +324,9 @@ class Transformer(nn.Module):
             persistent=False,
         )
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        # What training runs instead of the blocks one by one, when set: consecutive blocks grouped into compiled
-        # regions (parallel/compile.py, regional compilation). A plain list, outside the module tree.
+        # What training runs instead of the blocks, norm and output, when set: consecutive blocks grouped into
+        # compiled regions, the last one ending with the norm and output (parallel/compile.py, regional
+        # compilation). A plain list, outside the module tree.
         self.block_regions: list[nn.Module] | None = None
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
@@ -360,13 +361,13 @@ class Transformer(nn.Module):
         if cache is not None and end > cache.max_len:
             raise ValueError(f"sequence length {end} exceeds the KV cache's max_len {cache.max_len}")
         freqs_cis = self.freqs_cis[start:end]
-        if cache is None and self.block_regions is not None:
+        if cache is None and self.block_regions:
             for region in self.block_regions:
                 h = region(h, freqs_cis)
-        else:
-            for layer in self.layers.values():
-                # Training calls layer(h, freqs_cis) exactly as before; the cache is only passed when there is one.
-                h = layer(h, freqs_cis) if cache is None else layer(h, freqs_cis, cache)
+            return h  # the last region ends with the final norm and output projection
+        for layer in self.layers.values():
+            # Training calls layer(h, freqs_cis) exactly as before; the cache is only passed when there is one.
+            h = layer(h, freqs_cis) if cache is None else layer(h, freqs_cis, cache)
         if cache is not None:
             cache.position = end
         if self.norm is not None:

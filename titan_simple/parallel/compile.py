@@ -26,11 +26,12 @@ post-grad pass (``post_grad_custom_post_pass``) runs on the forward and on the b
 * **comm plan**: the final graph's collectives, recorded and written to ``dump_folder`` (``comm_plan.py``).
 
 **Regional compilation** (``CompilePlan.compile_regional``, ``[compile] regional``) compiles regions of
-``regional_blocks`` consecutive transformer blocks (``BlockRegion``) instead of the model: one options dict (one
-pass object) for all of them, so Dynamo reuses the first region's graphs for the others and compile time hardly
-grows with depth. The pass buckets each region (``region_bucket_plan``: the first block in two halves, the
-others whole) and reorders inside it, as in the whole-model graph; a region's first all-gather and last
-reduce-scatter have nothing to hide behind. Compiling a repeated block once *inside* the whole graph is what
+``regional_blocks`` consecutive transformer blocks (``BlockRegion``; the last one also runs the final norm and
+output projection) instead of the model: one options dict (one pass object) for all of them, so Dynamo reuses
+the first region's graphs for the others and compile time hardly grows with depth. The pass buckets each region
+(``region_bucket_plan``) and reorders inside it, as in the whole-model graph; what has nothing of its region to
+hide behind (the first bucket's all-gather and reduce-scatter, the last bucket's re-gather in backward) is
+bucketed as small as a block's head and tail. Compiling a repeated block once *inside* the whole graph is what
 torch's ``nested_compile_region`` is for, but it fails on SimpleFSDP's DTensor gathers in torch 2.13
 (``scripts/repro_nested_compile_region.py``; docs/benchmarks.md, "Compile time against depth").
 
@@ -72,10 +73,21 @@ from titan_simple.parallel.torch_private import (
 logger = logging.getLogger(__name__)
 
 BUCKETING_MODES = ("none", "transformer_block", "auto")
-# The two buckets of a region's first block under regional compilation (``region_bucket_plan``), by module name
-# inside the block: the attention half and the feed-forward half, so that the feed-forward half's all-gather
-# runs while the attention half computes.
-BLOCK_BUCKETS: tuple[tuple[str, ...], ...] = (("attention_norm", "attention"), ("ffn_norm", "feed_forward"))
+# The buckets of a region's first and last blocks under regional compilation (``region_bucket_plan``), by module
+# name inside the block. A region's graph has nothing before its first collective and nothing after its last:
+# its first forward all-gather and last reduce-scatter are the first bucket's, its first backward all-gather
+# (reshard after forward gathers again) the last bucket's. So the first bucket is the smallest head of the block
+# (its norm and wq: the next bucket's all-gather runs during the wq matmul) and the last its smallest tail (w2).
+FIRST_BLOCK_BUCKETS: tuple[tuple[str, ...], ...] = (
+    ("attention_norm", "attention.wq"), ("attention.wk", "attention.wv", "attention.wo"),
+    ("ffn_norm", "feed_forward"))
+LAST_BLOCK_BUCKETS: tuple[tuple[str, ...], ...] = (
+    ("attention_norm", "attention", "ffn_norm", "feed_forward.w1", "feed_forward.w3"), ("feed_forward.w2",))
+ONE_BLOCK_BUCKETS: tuple[tuple[str, ...], ...] = (
+    *FIRST_BLOCK_BUCKETS[:2], ("ffn_norm", "feed_forward.w1", "feed_forward.w3"), ("feed_forward.w2",))
+# The model's final norm and output projection, run by the last region (``BlockRegion``): one bucket after the
+# blocks, so its all-gather runs during the last block and its reduce-scatter during that block's backward.
+HEAD_BUCKET: tuple[str, ...] = ("norm", "output")
 # The modules whose code decides what the post-grad pass does to a graph (part of its cache key).
 _PASS_SOURCES = tuple(Path(__file__).with_name(name) for name in
                       ("compile.py", "comm_plan.py", "cpu_cost_model.py", "torch_private.py"))
@@ -189,7 +201,8 @@ class CompilePlan:
     ``whole_with_loss`` (the training step compiles the model and its loss as one graph, ``train/loss.py``);
     ``per_block`` (each transformer block on its own: FSDP2, TP inside multi-stage pipelines, zero-bubble
     schedules; no whole-step graph to bucket or reorder); ``regional`` (``[compile] regional``: the transformer
-    blocks share one compiled code, which buckets and reorders each block's collectives; the rest runs eagerly)."""
+    blocks share one compiled code, which buckets and reorders their collectives; the last region runs the norm and
+    output too, the embedding compiles alone)."""
 
     mode: str = "off"
     backend: str = "inductor"
@@ -231,21 +244,25 @@ class CompilePlan:
         consecutive blocks (``BlockRegion``; the model runs them through ``Transformer.block_regions``) and
         compile every region with one shared pass, so Dynamo reuses the first region's graphs for every other
         region of its size (their guards pass: same class, shapes and settings), and compile time hardly grows
-        with depth. The pass buckets each region's collectives (``region_bucket_plan``) and, with reorder, issues
-        each bucket's all-gather while the bucket before it computes (in backward, each reduce-scatter runs
-        while the bucket after it computes). A region's first all-gather and last reduce-scatter have nothing of
-        the region to hide behind: across regions nothing overlaps."""
+        with depth. The last region also runs the final norm and output projection (a second code). The pass
+        buckets each region's collectives (``region_bucket_plan``) and, with reorder, issues each bucket's
+        all-gather while the bucket before it computes (in backward, each reduce-scatter runs while the bucket
+        after it computes). Across regions nothing overlaps: a region's first and last buckets are kept small."""
         blocks = list(model.layers.values())
-        # The embedding, final norm and output projection (one parameter each: nothing to bucket), present
-        # or not on a pipeline stage, compile as small graphs of their own; under tensor parallel (their
-        # input / output layouts are forward hooks) they run eagerly: compiled alone, the row-wise sharded
-        # embedding fails DTensor's sharding propagation (torch 2.13).
-        for name in ("tok_embeddings", "norm", "output"):
-            module = getattr(model, name, None)
-            if module is not None and not (module._forward_pre_hooks or module._forward_hooks):
-                self._compile_forward(module)
         size = self.region_blocks
         regions = [BlockRegion(blocks[i : i + size]) for i in range(0, len(blocks), size)]
+        # The final norm and output projection run at the end of the last region (present on this stage or not),
+        # so their collectives overlap the last blocks'. The embedding (one parameter: nothing to bucket)
+        # compiles as a small graph of its own; under tensor parallel (its input / output layouts are forward
+        # hooks) it runs eagerly: compiled alone, the row-wise sharded embedding fails DTensor's sharding
+        # propagation (torch 2.13). A pipeline stage without blocks compiles its norm and output the same way.
+        head = {name: getattr(model, name, None) for name in HEAD_BUCKET}
+        if regions:
+            regions[-1].norm, regions[-1].output = head["norm"], head["output"]
+        for name, module in [("tok_embeddings", getattr(model, "tok_embeddings", None)),
+                             *(() if regions else head.items())]:
+            if module is not None and not (module._forward_pre_hooks or module._forward_hooks):
+                self._compile_forward(module)
         model.block_regions = regions
         first = _REGIONAL_COMPILES.get(self)
         if first is not None:  # another pipeline stage of this rank: the same options, so the same code
@@ -284,29 +301,59 @@ _REGIONAL_COMPILES: dict[CompilePlan, CommPlanRecorder] = {}  # the first region
 
 
 class BlockRegion(nn.Module):
-    """Consecutive transformer blocks that run as one compiled region (regional compilation). The model keeps
-    it outside its module tree (``Transformer.block_regions`` is a plain list), so parameter names, state_dict
-    and checkpoints stay as they are."""
+    """Consecutive transformer blocks that run as one compiled region (regional compilation), the last region
+    followed by the model's final norm and output projection. The model keeps the regions outside its module
+    tree (``Transformer.block_regions`` is a plain list), so parameter names, state_dict and checkpoints stay as
+    they are."""
 
-    def __init__(self, blocks: Sequence[nn.Module]) -> None:
+    def __init__(self, blocks: Sequence[nn.Module], norm: nn.Module | None = None,
+                 output: nn.Module | None = None) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(blocks)
+        self.norm, self.output = norm, output
 
     def forward(self, h: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             h = block(h, freqs_cis)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
         return h
 
 
 def region_bucket_plan(blocks: int) -> list[list[str]]:
-    """The buckets of a region of ``blocks`` blocks, by module name inside the region: the first block as its
-    two halves (``BLOCK_BUCKETS``), every other block whole (as the whole-model plan). A region's first
-    all-gather and its last reduce-scatter (in backward, the first block's) have nothing of the region to hide
-    behind; splitting the first block makes them its attention half's only (a fifth to a quarter of a Llama 3
-    block's weights), while the feed-forward half's overlap the attention half's compute. A shorter last region (depth
-    not a multiple of ``blocks``) finds no modules for the names past its end: those buckets are empty."""
-    first = [[f"blocks.0.{name}" for name in bucket] for bucket in BLOCK_BUCKETS]
-    return first + [[f"blocks.{i}"] for i in range(1, blocks)]
+    """The buckets of a region of ``blocks`` blocks, by module name inside the region: the first block's head
+    alone (``FIRST_BLOCK_BUCKETS``), the middle blocks whole (as the whole-model plan), the last block's tail
+    alone (``LAST_BLOCK_BUCKETS``; ``ONE_BLOCK_BUCKETS`` when the region is one block), then the final norm and
+    output (``HEAD_BUCKET``: the last region's only). What nothing in a region's graph hides is then the first
+    bucket's all-gather and reduce-scatter and the last bucket's backward all-gather (a norm and wq, and a
+    w2: 1/13 and 1/4 of a Llama 3 8B block) instead of whole blocks. A region without the head, or a
+    shorter last region (depth not a multiple of ``blocks``), finds no modules for the names past its end:
+    those buckets are empty."""
+    def named(index: int, buckets: tuple[tuple[str, ...], ...]) -> list[list[str]]:
+        return [[f"blocks.{index}.{name}" for name in bucket] for bucket in buckets]
+
+    if blocks == 1:
+        plan = named(0, ONE_BLOCK_BUCKETS)
+    else:
+        middle = [[f"blocks.{i}"] for i in range(1, blocks - 1)]
+        plan = named(0, FIRST_BLOCK_BUCKETS) + middle + named(blocks - 1, LAST_BLOCK_BUCKETS)
+    return plan + [list(HEAD_BUCKET)]
+
+
+def bucket_modules(region: nn.Module, names: Sequence[str]) -> list[nn.Module]:
+    """The modules of ``region`` that one bucket of ``region_bucket_plan`` names (none for the names past a
+    shorter region's end, or the head's in a region without it)."""
+    found = []
+    for name in names:
+        try:
+            module = region.get_submodule(name)
+        except AttributeError:
+            continue
+        if module is not None:
+            found.append(module)
+    return found
 
 
 def _forward_of(module: nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -30,7 +30,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from titan_simple.parallel.compile import BLOCK_BUCKETS, transformer_block_plan
+from titan_simple.parallel.compile import (HEAD_BUCKET, BlockRegion, bucket_modules, region_bucket_plan,
+                                           transformer_block_plan)
 from titan_simple.parallel.tensor_parallel import loss_parallel_context
 from titan_simple.planning.trace import Collective, OpCost, StepTracer, fused_attention, ignoring_shape_propagation
 from titan_simple.train.build import build_model_parts
@@ -53,8 +54,8 @@ class StageTrace:
     boundary_bytes: int  # the activation sent to the next stage (pipeline), per microbatch
     buckets: int  # compile bucketing "transformer_block": one per block, embedding, [norm, output]
     parameter_tensors: int
-    # Regional compilation: the parameter bytes whose collectives no compute of their graph hides (the
-    # embedding, norm and output graphs, and each region's first bucket, its first block's attention half).
+    # Regional compilation: the parameter bytes whose collectives no compute of their graph hides, in bytes of
+    # whole buckets' traffic (the embedding; each region's first and last buckets, ``_region_exposed_bytes``).
     region_exposed_bytes: int = 0
 
 
@@ -106,17 +107,35 @@ def _trace_part(part: nn.Module, stage: int | None, run: RunPlan, tracer: StepTr
     peak = max(tracer.phase_peaks.get("forward", 0), tracer.phase_peaks.get("backward", 0))
     layers = [int(name) for name in part.layers.keys()]
     return StageTrace(stage, layers, kept, peak, boundary, len(transformer_block_plan(part)),
-                      sum(1 for _ in part.parameters()), _region_exposed_bytes(part, run.compile.region_blocks))
+                      sum(1 for _ in part.parameters()), _region_exposed_bytes(part, run))
 
 
-def _region_exposed_bytes(part: nn.Module, region_blocks: int) -> int:
-    """``StageTrace.region_exposed_bytes`` of ``part`` in regions of ``region_blocks`` blocks
-    (``parallel/compile.region_bucket_plan``)."""
-    exposed = [module for name in ("tok_embeddings", "norm", "output")
-               if (module := getattr(part, name, None)) is not None]
-    for first in list(part.layers.values())[::region_blocks]:
-        exposed += [first.get_submodule(name) for name in BLOCK_BUCKETS[0]]
-    return _local_bytes(param for module in exposed for param in module.parameters())
+def _region_exposed_bytes(part: nn.Module, run: RunPlan) -> int:
+    """``StageTrace.region_exposed_bytes`` of ``part`` in regions of ``run.compile.region_blocks`` blocks
+    (``parallel/compile.region_bucket_plan``). Nothing in a region's graph hides its first bucket's forward
+    all-gather and backward reduce-scatter, nor its last bucket's backward all-gather (the last region's last
+    bucket is the final norm and output); nothing hides the embedding's graph either. Each bucket's exposed
+    collectives count by their share of its data-parallel traffic: forward and backward all-gathers in
+    ``param_dtype``, the reduce-scatter in ``reduce_dtype``."""
+    gather = torch.finfo(run.precision.param_dtype).bits
+    reduce = torch.finfo(run.precision.reduce_dtype).bits
+    per_bucket = 2 * gather + reduce
+
+    def nbytes(modules) -> int:
+        return _local_bytes(param for module in modules for param in module.parameters())
+
+    embedding, norm, output = (getattr(part, name, None) for name in ("tok_embeddings", *HEAD_BUCKET))
+    exposed = float(nbytes(m for m in (embedding,) if m is not None))
+    blocks = list(part.layers.values())
+    if not blocks:  # the norm and output compile as graphs of their own
+        return int(exposed + nbytes(m for m in (norm, output) if m is not None))
+    size = run.compile.region_blocks
+    regions = [BlockRegion(blocks[i : i + size]) for i in range(0, len(blocks), size)]
+    regions[-1].norm, regions[-1].output = norm, output
+    for region in regions:
+        buckets = [modules for names in region_bucket_plan(size) if (modules := bucket_modules(region, names))]
+        exposed += (nbytes(buckets[0]) * (gather + reduce) + nbytes(buckets[-1]) * gather) / per_bucket
+    return int(exposed)
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ weights, logits, the foreach optimizer's temporaries) plus the other in-flight m
 * overlap: data-parallel collectives are hidden behind compute when the compiled graph reorders them
   (``[compile] reorder`` or ``bucketing = auto``; ``[dry_run] comm_overlap`` overrides), except what exceeds
   the compute and what nothing can hide (``exposed_dp_floor``: one bucket's worth in one graph; under
-  regional compilation every graph's first bucket); tensor-parallel collectives and pipeline
+  regional compilation the ends of every graph); tensor-parallel collectives and pipeline
   send/recv sit on the critical path (exposed), except under async tensor parallel
   (``async_tensor_parallel_exposed``);
 * pipeline bubble: ``(pp - 1)`` stage passes for GPipe / 1F1B, ``(pp - 1)`` chunk passes (1/v of a stage) for
@@ -158,7 +158,7 @@ def comm_overlapped(run: RunPlan) -> bool:
 def exposed_dp_floor(run: RunPlan, trace: RankTrace, dp_comm_s: float) -> float:
     """The data-parallel seconds no compute can hide even when overlapped: one bucket's in one graph; under
     regional compilation what has nothing of its own graph to run behind, by its share of the parameter bytes
-    (``StageTrace.region_exposed_bytes``: the embedding, norm and output graphs, each region's first half-block)."""
+    (``StageTrace.region_exposed_bytes``: the embedding's graph, the ends of each region's graph)."""
     if run.compile.mode == "regional":
         return dp_comm_s * sum(part.region_exposed_bytes for part in trace.parts) / max(trace.parameter_bytes, 1)
     return dp_comm_s / sum(part.buckets for part in trace.parts)
