@@ -259,8 +259,7 @@ class CompilePlan:
         head = {name: getattr(model, name, None) for name in HEAD_BUCKET}
         if regions:
             regions[-1].norm, regions[-1].output = head["norm"], head["output"]
-        for name, module in [("tok_embeddings", getattr(model, "tok_embeddings", None)),
-                             *(() if regions else head.items())]:
+        for module in [getattr(model, "tok_embeddings", None), *(() if regions else head.values())]:
             if module is not None and not (module._forward_pre_hooks or module._forward_hooks):
                 self._compile_forward(module)
         model.block_regions = regions
