@@ -325,8 +325,8 @@ class Transformer(nn.Module):
         )
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         # What training runs instead of the blocks, norm and output, when set: consecutive blocks grouped into
-        # compiled regions, the last one ending with the norm and output (parallel/compile.py, regional
-        # compilation). A plain list, outside the module tree.
+        # compiled regions, the last one ending with the norm and output where this model (stage) has them
+        # (parallel/compile.py, regional compilation). A plain list, outside the module tree.
         self.block_regions: list[nn.Module] | None = None
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)

@@ -31,9 +31,9 @@ output projection) instead of the model: one options dict (one pass object) for 
 the first region's graphs for the others and compile time hardly grows with depth. The pass buckets each region
 (``region_bucket_plan``) and reorders inside it, as in the whole-model graph; what has nothing of its region to
 hide behind (the first bucket's all-gather and reduce-scatter, the last bucket's re-gather in backward) is
-bucketed as small as a block's head and tail. Compiling a repeated block once *inside* the whole graph is what
-torch's ``nested_compile_region`` is for, but it fails on SimpleFSDP's DTensor gathers in torch 2.13
-(``scripts/repro_nested_compile_region.py``; docs/benchmarks.md, "Compile time against depth").
+bucketed as small as a block's head and tail (in a full region). Compiling a repeated block once *inside* the
+whole graph is what torch's ``nested_compile_region`` is for, but it fails on SimpleFSDP's DTensor gathers in
+torch 2.13 (``scripts/repro_nested_compile_region.py``; docs/benchmarks.md, "Compile time against depth").
 
 The other modules: ``comm_plan.py`` reads the graphs, ``cpu_cost_model.py`` gives the scheduler runtime
 estimates on CPU (it swaps two functions of ``torch.utils._runtime_estimation`` while our pass runs, then
@@ -85,8 +85,9 @@ LAST_BLOCK_BUCKETS: tuple[tuple[str, ...], ...] = (
     ("attention_norm", "attention", "ffn_norm", "feed_forward.w1", "feed_forward.w3"), ("feed_forward.w2",))
 ONE_BLOCK_BUCKETS: tuple[tuple[str, ...], ...] = (
     *FIRST_BLOCK_BUCKETS[:2], ("ffn_norm", "feed_forward.w1", "feed_forward.w3"), ("feed_forward.w2",))
-# The model's final norm and output projection, run by the last region (``BlockRegion``): one bucket after the
-# blocks, so its all-gather runs during the last block and its reduce-scatter during that block's backward.
+# The model's final norm and output projection, which the last region runs after its blocks: they join the last
+# bucket (the w2 one), so their all-gather runs while the rest of the last block computes and their
+# reduce-scatter while its backward does, as in the whole-model graph's [norm, output] bucket.
 HEAD_BUCKET: tuple[str, ...] = ("norm", "output")
 # The modules whose code decides what the post-grad pass does to a graph (part of its cache key).
 _PASS_SOURCES = tuple(Path(__file__).with_name(name) for name in
@@ -202,7 +203,7 @@ class CompilePlan:
     ``per_block`` (each transformer block on its own: FSDP2, TP inside multi-stage pipelines, zero-bubble
     schedules; no whole-step graph to bucket or reorder); ``regional`` (``[compile] regional``: the transformer
     blocks share one compiled code, which buckets and reorders their collectives; the last region runs the norm and
-    output too, the embedding compiles alone)."""
+    output too; the embedding compiles alone, or runs eagerly under tensor parallel)."""
 
     mode: str = "off"
     backend: str = "inductor"
@@ -324,12 +325,14 @@ class BlockRegion(nn.Module):
 def region_bucket_plan(blocks: int) -> list[list[str]]:
     """The buckets of a region of ``blocks`` blocks, by module name inside the region: the first block's head
     alone (``FIRST_BLOCK_BUCKETS``), the middle blocks whole (as the whole-model plan), the last block's tail
-    alone (``LAST_BLOCK_BUCKETS``; ``ONE_BLOCK_BUCKETS`` when the region is one block), then the final norm and
-    output (``HEAD_BUCKET``: the last region's only). What nothing in a region's graph hides is then the first
-    bucket's all-gather and reduce-scatter and the last bucket's backward all-gather (a norm and wq, and a
-    w2: 1/13 and 1/4 of a Llama 3 8B block) instead of whole blocks. A region without the head, or a
-    shorter last region (depth not a multiple of ``blocks``), finds no modules for the names past its end:
-    those buckets are empty."""
+    alone (``LAST_BLOCK_BUCKETS``; ``ONE_BLOCK_BUCKETS`` when the region is one block), with the final norm and
+    output in that last bucket (``HEAD_BUCKET``: the last region's only). What nothing in a region's graph hides
+    is then the first bucket's all-gather and reduce-scatter and the last bucket's backward all-gather: a norm
+    and wq, and a w2 (1/13 and about 1/4 of a Llama 3 8B block; w2 + norm + output in the last region) instead
+    of whole blocks. A region without the head, or a shorter region (a depth or a pipeline stage that is not a
+    multiple of ``blocks``), finds no modules for the names it lacks: those buckets are empty, and a shorter
+    region's last bucket is whatever its last block's names find (its feed-forward half for one block of a
+    plan of 2, a whole block for more)."""
     def named(index: int, buckets: tuple[tuple[str, ...], ...]) -> list[list[str]]:
         return [[f"blocks.{index}.{name}" for name in bucket] for bucket in buckets]
 
@@ -338,7 +341,8 @@ def region_bucket_plan(blocks: int) -> list[list[str]]:
     else:
         middle = [[f"blocks.{i}"] for i in range(1, blocks - 1)]
         plan = named(0, FIRST_BLOCK_BUCKETS) + middle + named(blocks - 1, LAST_BLOCK_BUCKETS)
-    return plan + [list(HEAD_BUCKET)]
+    plan[-1] += HEAD_BUCKET
+    return plan
 
 
 def bucket_modules(region: nn.Module, names: Sequence[str]) -> list[nn.Module]:
@@ -347,11 +351,9 @@ def bucket_modules(region: nn.Module, names: Sequence[str]) -> list[nn.Module]:
     found = []
     for name in names:
         try:
-            module = region.get_submodule(name)
-        except AttributeError:
+            found.append(region.get_submodule(name))
+        except AttributeError:  # a name past its end, or the norm / output it does not run (None)
             continue
-        if module is not None:
-            found.append(module)
     return found
 
 

@@ -30,8 +30,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from titan_simple.parallel.compile import (HEAD_BUCKET, BlockRegion, bucket_modules, region_bucket_plan,
-                                           transformer_block_plan)
+from titan_simple.parallel.compile import (
+    HEAD_BUCKET,
+    BlockRegion,
+    bucket_modules,
+    region_bucket_plan,
+    transformer_block_plan,
+)
 from titan_simple.parallel.tensor_parallel import loss_parallel_context
 from titan_simple.planning.trace import Collective, OpCost, StepTracer, fused_attention, ignoring_shape_propagation
 from titan_simple.train.build import build_model_parts
@@ -113,13 +118,16 @@ def _trace_part(part: nn.Module, stage: int | None, run: RunPlan, tracer: StepTr
 def _region_exposed_bytes(part: nn.Module, run: RunPlan) -> int:
     """``StageTrace.region_exposed_bytes`` of ``part`` in regions of ``run.compile.region_blocks`` blocks
     (``parallel/compile.region_bucket_plan``). Nothing in a region's graph hides its first bucket's forward
-    all-gather and backward reduce-scatter, nor its last bucket's backward all-gather (the last region's last
-    bucket is the final norm and output); nothing hides the embedding's graph either. Each bucket's exposed
-    collectives count by their share of its data-parallel traffic: forward and backward all-gathers in
-    ``param_dtype``, the reduce-scatter in ``reduce_dtype``."""
-    gather = torch.finfo(run.precision.param_dtype).bits
+    all-gather and gradient reduction, nor its last bucket's backward re-gather (reshard after forward only; the
+    last region's last bucket holds the final norm and output too); nothing hides the embedding's graph either.
+    A bucket's exposed collectives count by their share of its data-parallel traffic, each weighed by its
+    dtype's bytes: the all-gathers (none under replicate) in ``param_dtype``, the reduction (reduce-scatter,
+    all-reduce, or both under hybrid_shard: one share) in ``reduce_dtype``."""
+    sharded = run.dims.data_parallel_mode != "replicate"
+    gather = torch.finfo(run.precision.param_dtype).bits if sharded else 0
+    regather = gather if run.parallel.reshard_after_forward else 0
     reduce = torch.finfo(run.precision.reduce_dtype).bits
-    per_bucket = 2 * gather + reduce
+    per_bucket = gather + regather + reduce
 
     def nbytes(modules) -> int:
         return _local_bytes(param for module in modules for param in module.parameters())
@@ -134,7 +142,7 @@ def _region_exposed_bytes(part: nn.Module, run: RunPlan) -> int:
     regions[-1].norm, regions[-1].output = norm, output
     for region in regions:
         buckets = [modules for names in region_bucket_plan(size) if (modules := bucket_modules(region, names))]
-        exposed += (nbytes(buckets[0]) * (gather + reduce) + nbytes(buckets[-1]) * gather) / per_bucket
+        exposed += (nbytes(buckets[0]) * (gather + reduce) + nbytes(buckets[-1]) * regather) / per_bucket
     return int(exposed)
 
 
