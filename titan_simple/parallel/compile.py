@@ -249,18 +249,14 @@ class CompilePlan:
         buckets each region's collectives (``region_bucket_plan``) and, with reorder, issues each bucket's
         all-gather while the bucket before it computes (in backward, each reduce-scatter runs while the bucket
         after it computes). Across regions nothing overlaps: a region's first and last buckets are kept small."""
-        blocks = list(model.layers.values())
         size = self.region_blocks
-        regions = [BlockRegion(blocks[i : i + size]) for i in range(0, len(blocks), size)]
-        # The final norm and output projection run at the end of the last region (present on this stage or not),
-        # so their collectives overlap the last blocks'. The embedding (one parameter: nothing to bucket)
-        # compiles as a small graph of its own; under tensor parallel (its input / output layouts are forward
-        # hooks) it runs eagerly: compiled alone, the row-wise sharded embedding fails DTensor's sharding
-        # propagation (torch 2.13). A pipeline stage without blocks compiles its norm and output the same way.
-        head = {name: getattr(model, name, None) for name in HEAD_BUCKET}
-        if regions:
-            regions[-1].norm, regions[-1].output = head["norm"], head["output"]
-        for module in [getattr(model, "tok_embeddings", None), *(() if regions else head.values())]:
+        regions = block_regions(model, size)
+        # The embedding (one parameter: nothing to bucket) compiles as a small graph of its own; under tensor
+        # parallel (its input / output layouts are forward hooks) it runs eagerly: compiled alone, the row-wise
+        # sharded embedding fails DTensor's sharding propagation (torch 2.13). A pipeline stage without blocks
+        # compiles its norm and output the same way.
+        head = [getattr(model, name, None) for name in HEAD_BUCKET]
+        for module in [getattr(model, "tok_embeddings", None), *(() if regions else head)]:
             if module is not None and not (module._forward_pre_hooks or module._forward_hooks):
                 self._compile_forward(module)
         model.block_regions = regions
@@ -320,6 +316,17 @@ class BlockRegion(nn.Module):
         if self.output is not None:
             h = self.output(h)
         return h
+
+
+def block_regions(model: nn.Module, size: int) -> list[BlockRegion]:
+    """``model``'s transformer blocks in regions of ``size`` consecutive blocks, the last region followed by the
+    model's final norm and output projection where it (a pipeline stage) has them, so that their collectives
+    overlap the last blocks' (``HEAD_BUCKET``). Empty for a stage without blocks."""
+    blocks = list(model.layers.values())
+    regions = [BlockRegion(blocks[i : i + size]) for i in range(0, len(blocks), size)]
+    if regions:
+        regions[-1].norm, regions[-1].output = (getattr(model, name, None) for name in HEAD_BUCKET)
+    return regions
 
 
 def region_bucket_plan(blocks: int) -> list[list[str]]:

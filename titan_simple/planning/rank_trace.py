@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from titan_simple.parallel.compile import (
     HEAD_BUCKET,
-    BlockRegion,
+    block_regions,
     bucket_modules,
     region_bucket_plan,
     transformer_block_plan,
@@ -132,14 +132,12 @@ def _region_exposed_bytes(part: nn.Module, run: RunPlan) -> int:
     def nbytes(modules) -> int:
         return _local_bytes(param for module in modules for param in module.parameters())
 
-    embedding, norm, output = (getattr(part, name, None) for name in ("tok_embeddings", *HEAD_BUCKET))
-    exposed = float(nbytes(m for m in (embedding,) if m is not None))
-    blocks = list(part.layers.values())
-    if not blocks:  # the norm and output compile as graphs of their own
-        return int(exposed + nbytes(m for m in (norm, output) if m is not None))
+    embedding = getattr(part, "tok_embeddings", None)
+    exposed = float(nbytes([embedding] if embedding is not None else []))
     size = run.compile.region_blocks
-    regions = [BlockRegion(blocks[i : i + size]) for i in range(0, len(blocks), size)]
-    regions[-1].norm, regions[-1].output = norm, output
+    regions = block_regions(part, size)
+    if not regions:  # the norm and output compile as graphs of their own
+        return int(exposed + nbytes(m for name in HEAD_BUCKET if (m := getattr(part, name, None)) is not None))
     for region in regions:
         buckets = [modules for names in region_bucket_plan(size) if (modules := bucket_modules(region, names))]
         exposed += (nbytes(buckets[0]) * (gather + reduce) + nbytes(buckets[-1]) * regather) / per_bucket
