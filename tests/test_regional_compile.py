@@ -4,22 +4,24 @@ One set of 2 gloo processes trains test_pipeline's recipe (6-layer debug model, 
 clipping active) through the trainer's own build and step, with the default 2 blocks per region:
 
 * SimpleFSDP fully_shard over 2 ranks, compiled regionally, matches the single-process reference (losses and
-  gradient norms). Dynamo compiles 3 frames: one for the first 2 regions, one for the last (which also runs the
-  final norm and output projection) and the embedding. Each region graph buckets its collectives as the first
-  block's attention norm + wq, the rest of its attention, its feed-forward, the second block but its w2, that
-  w2 (in the last region with the norm + output): one all-gather per bucket in forward, each but the first
-  overlapping the compute before it; in backward the same all-gathers again (reshard after forward) and one
-  reduce-scatter per bucket, all but the region's last overlapped. Inductor's generated code keeps that
-  overlap in both graphs (compute kernels between a collective's start and its wait): the order our pass pins
-  with control dependencies (``comm_plan.overlap_order``).
-* Tensor parallel over the 2 ranks (sequence parallel, loss parallel), compiled regionally, matches too.
+  gradient norms). Dynamo compiles 3 frames: the first region (which also runs the embedding), the middle one and
+  the last (which also runs the final norm and output projection). Each region's graph buckets its collectives
+  as the first block's attention norm + q / k / v projections (with the embedding in the first region), its
+  wo, its feed-forward, the second block but its w2, and that w2 with the next region's first bucket (the
+  hand-off: the next region computes with those weights instead of gathering them) or, in the last region, with
+  the norm + output. Forward: one all-gather per bucket, each but the first region's first issued while the
+  bucket before it computes. Backward: the same all-gathers again (reshard after forward; not the embedding nor
+  the hand-off), one reduce-scatter per bucket, every reduce-scatter but the first region's last overlapped, the
+  wo one behind the attention's backward. Inductor's generated code keeps that overlap (compute kernels between a
+  collective's start and its wait): the order our pass pins with control dependencies
+  (``comm_plan.overlap_order``).
+* Tensor parallel over the 2 ranks (sequence parallel, loss parallel), compiled regionally, matches too; so does
+  replicate (the hand-off then carries the all-reduce of those gradients).
 * An Interleaved1F1B pipeline (2 stages per rank, of 2 and 1 blocks) compiled regionally: both stages of a rank
   share the first stage's compile and comm plan (one graph per region shape), and the losses match the
   reference.
 
-Measured (2 CPU cores, torch 2.13), largest relative difference from the reference over the 10 steps: losses
-1.2e-7 (fully_shard, tp2) and 0 (pipeline), gradient norms 3.1e-5 (fully_shard, tp2) and 1.6e-7 (pipeline);
-asserted 1e-5 and 1e-4. About 50 s for the job.
+Asserted: losses within 1e-5 and gradient norms within 1e-4 (relative) of the reference over the 10 steps.
 """
 
 from __future__ import annotations
@@ -34,13 +36,16 @@ from tests.parity import COMPILED_RTOL, SHARDED_NORM_RTOL, build_layout, max_rel
 from tests.test_pipeline import RECIPE, assert_parity, job_config, train_reference
 from titan_simple.config import load_job_config
 from titan_simple.errors import ConfigError
-from titan_simple.parallel.compile import bucket_modules, comm_plan_recorders, region_bucket_plan
+from titan_simple.parallel.compile import comm_plan_recorders
+from titan_simple.parallel.regions import EMBEDDING, HANDOFF, bucket_modules, region_bucket_plan
 
 REGIONAL = ("--compile.enable", "--compile.regional")
 CONFIGS = {
     "fully_shard": ("--parallelism.data_parallel_shard_degree=2", "--training.local_batch_size=4", *REGIONAL),
     "tp2": ("--parallelism.data_parallel_shard_degree=1", "--parallelism.tensor_parallel_degree=2",
             "--training.local_batch_size=8", *REGIONAL),
+    "replicate": ("--parallelism.data_parallel_shard_degree=1", "--parallelism.data_parallel_replicate_degree=2",
+                  "--training.local_batch_size=4", *REGIONAL),
     "interleaved_pp2": ("--parallelism.data_parallel_shard_degree=1", "--parallelism.pipeline_parallel_degree=2",
                         "--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
                         "--parallelism.pipeline_parallel_microbatch_size=2", "--training.local_batch_size=8",
@@ -61,16 +66,32 @@ def _train(rank: int, world_size: int) -> dict:
         generated = overlap_in_generated_code(functools.partial(_train_into, trained, layout))
         out = {**trained, "generated_overlap": generated}
         out["mode"] = layout.plan.compile.mode
-        # The bytes of each bucket (fp32, gathered) of the first region and of the last, which runs the final
-        # norm and output too.
-        regions = layout.parts.modules[-1].block_regions
-        out["bucket_bytes"] = [
-            [sum(4 * p.numel() for m in bucket_modules(region, names) for p in m.parameters())
-             for names in region_bucket_plan(2)] for region in (regions[0], regions[-1])]
+        forward = layout.parts.modules[-1].block_regions  # regions.RegionalForward
+        out["handoff"] = [bool(r) for r in forward.receivers]
+        out["bucket_bytes"] = [_bucket_bytes(region, received)
+                               for region, received in zip(forward.regions, forward.receivers, strict=True)]
         out["recorders"] = [{"settings": r.settings, "graphs": r.graphs}
                             for r in comm_plan_recorders(layout.parts.modules)]
         results[name] = out
     return results
+
+
+def _bucket_bytes(region, received) -> list[tuple[int, int, int]]:
+    """(forward all-gather, backward re-gather, reduce-scatter) bytes (fp32) of each bucket of ``region``'s plan,
+    from its modules: the modules it was handed (``received``) move nothing; the embedding and the next region's
+    hand-off are not gathered again in backward."""
+    rows = []
+    for names in region_bucket_plan(2):
+        moved = regathered = 0
+        for name in names:
+            (module,) = bucket_modules(region, [name]) or (None,)
+            if module is None or any(module is m for m in received):
+                continue
+            nbytes = sum(4 * p.numel() for p in module.parameters())
+            moved += nbytes
+            regathered += 0 if name in (EMBEDDING, HANDOFF) else nbytes
+        rows.append((moved, regathered, moved))
+    return rows
 
 
 @pytest.fixture(scope="module")
@@ -97,63 +118,77 @@ def test_regional_compile_matches_single_process(ranks, reference, name):
 def test_every_region_runs_one_compiled_code_that_overlaps_its_collectives(ranks):
     result = ranks[0]["fully_shard"]
     assert result["graph_breaks"] == {}
-    assert result["unique_graphs"] == 3  # the regions, the last region (with the norm and output), tok_embeddings
+    assert result["unique_graphs"] == 3  # the first region (with the embedding), the middle one, the last
+    assert result["handoff"] == [False, True, True]
     (recorder,) = result["recorders"]
     assert recorder["settings"]["plan"] == region_bucket_plan(2)
     graphs = recorder["graphs"]
-    # The first two regions share "forward"; the last one compiled its own ("forward_1"), and its backward ran
-    # first ("backward").
-    assert sorted(graphs) == ["backward", "backward_1", "forward", "forward_1"]
-    # The first block's norm + wq, wk..wo, feed-forward; the second block but its w2; its w2 (and in the last
-    # region the norm and output with it).
-    region, last_region = result["bucket_bytes"]
-    assert len(region) == 5 and all(region) and region[:-1] == last_region[:-1], result["bucket_bytes"]
-    assert last_region[-1] > region[-1]
-    for name, sizes in (("forward", region), ("forward_1", last_region), ("backward_1", region),
-                        ("backward", last_region)):
-        collectives = graphs[name]
-        gathers = [c for c in collectives if c["kind"] == "all_gather"]
-        reduce_scatters = [c for c in collectives if c["kind"] == "reduce_scatter"]
-        if name.startswith("forward"):
-            # One all-gather per bucket, in order; each but the first issued while the bucket before it computes.
-            assert [(c["kind"], c["bytes"]) for c in collectives] == [("all_gather", b) for b in sizes], (name, gathers)
-            assert [c["exposed"] for c in gathers] == [True] + [False] * (len(sizes) - 1), (name, gathers)
-            continue
-        # Buckets in reverse: the same all-gathers again, the first the last bucket's (the smallest tail: w2, or
-        # w2 with the norm + output); every reduce-scatter but the region's last (the first block's norm + wq)
-        # runs while the bucket before it computes its gradients.
-        assert [c["bytes"] for c in gathers] == sizes[::-1] and collectives[0] is gathers[0], (name, collectives)
-        assert [c["bytes"] for c in reduce_scatters] == sizes[::-1], (name, reduce_scatters)
-        assert [c["exposed"] for c in reduce_scatters] == [False] * (len(sizes) - 1) + [True], (name, collectives)
-    # The code Inductor generated: 6 graphs (the two region codes and the embedding, forward and backward
-    # each). In a region's forward every all-gather but the first has compute kernels between its start and
-    # its wait; in its backward all but the first re-gather and the last reduce-scatter (measured [0, 2, 7, 7,
-    # 14] and [1, 3, 24, 23, 11, 11, 11, 12, 5, 0], the first re-gather with 1 kernel). Without our control
-    # dependencies Inductor waited for every all-gather of a block before its compute.
+    assert sorted(graphs) == ["backward", "backward_1", "backward_2", "forward", "forward_1", "forward_2"]
+    # Per region, per bucket: (all-gather, re-gather, reduce-scatter) bytes. The first region moves its first
+    # bucket itself, with the embedding; the others were handed it. Every region but the last gathers the next
+    # one's first bucket with its w2; the last, the norm and output.
+    first, middle, last = result["bucket_bytes"]
+    assert all(all(row) for row in first) and middle[0] == last[0] == (0, 0, 0), result["bucket_bytes"]
+    assert first[1:4] == middle[1:4] == last[1:4]
+    assert first[-1] == middle[-1] and first[-1][0] > first[-1][1] and last[-1][0] == last[-1][1] > middle[-1][1]
+
+    def plan(region, phase):
+        """The collectives ``region``'s graph should issue: forward, one all-gather per moving bucket, in order;
+        backward, in reverse, the re-gathers and the reduce-scatters."""
+        if phase == "forward":
+            return [("all_gather", row[0]) for row in region if row[0]]
+        return sorted([("all_gather", row[1]) for row in region if row[1]] +
+                      [("reduce_scatter", row[2]) for row in region if row[2]])
+
+    by_region = {}
+    for name, collectives in graphs.items():
+        phase = name.split("_")[0]
+        found = [(c["kind"], c["bytes"]) for c in collectives]
+        key = found if phase == "forward" else sorted(found)
+        matches = [i for i, region in enumerate((first, middle, last)) if plan(region, phase) == key]
+        assert len(matches) == 1, (name, collectives, result["bucket_bytes"])
+        by_region[(phase, matches[0])] = collectives
+    assert len(by_region) == 6
+    for index, region in enumerate((first, middle, last)):
+        forward, backward = by_region[("forward", index)], by_region[("backward", index)]
+        # Forward: each all-gather but the first region's first is issued while the bucket before it computes
+        # (a handed region's first, the wo bucket, while the q / k / v projections do).
+        assert [c["exposed"] for c in forward] == [index == 0] + [False] * (len(forward) - 1), (index, forward)
+        gathers = [c["bytes"] for c in backward if c["kind"] == "all_gather"]
+        reduce_scatters = [c for c in backward if c["kind"] == "reduce_scatter"]
+        assert gathers == [row[1] for row in region[::-1] if row[1]] and backward[0]["kind"] == "all_gather"
+        assert [c["bytes"] for c in reduce_scatters] == [row[2] for row in region[::-1] if row[2]]
+        # Every reduce-scatter but the first region's last (the embedding's bucket) runs behind compute; a handed
+        # region's last, the wo one, behind the attention's and q / k / v's backward.
+        assert [c["exposed"] for c in reduce_scatters] == [False] * (len(reduce_scatters) - 1) + [index == 0], (
+            index, backward)
+    # The code Inductor generated: 6 graphs, forward and backward of each region code. Every collective has
+    # compute kernels between its start and its wait, but the first region's first all-gather and last
+    # reduce-scatter (measured: forward [0, 7, 1, 7, 14] and [4, 1, 7, 14] twice; backward [1, 3, 24, 23, 11, 11,
+    # 2, 3, 13, 0], [1, 3, 24, 23, 11, 11, 12, 10] and [1, 8, 24, 23, 11, 11, 12, 10]: every first re-gather with
+    # 1 kernel). Without our control dependencies Inductor waited for every all-gather of a block before its
+    # compute, and a handed region's wo reduce-scatter where it was issued.
     gaps = result["generated_overlap"]
     assert len(gaps) == 6, gaps
-    region_forwards = [g for g in gaps if len(g) == 5]
-    region_backwards = [g for g in gaps if len(g) == 10]
-    assert len(region_forwards) == len(region_backwards) == 2, gaps
-    for forward in region_forwards:
-        assert forward[0] == 0 and min(forward[1:]) > 0, gaps
-    for backward in region_backwards:
-        assert sum(n > 0 for n in backward[1:-1]) == len(backward) - 2, gaps
+    forwards = sorted((g for g in gaps if len(g) in (4, 5)), key=len)
+    backwards = sorted((g for g in gaps if len(g) in (8, 10)), key=len)
+    assert [len(g) for g in forwards] == [4, 4, 5] and [len(g) for g in backwards] == [8, 8, 10], gaps
+    assert all(min(g) > 0 for g in forwards[:2]) and forwards[2][0] == 0 and min(forwards[2][1:]) > 0, gaps
+    assert all(min(g[1:]) > 0 for g in backwards[:2]) and min(backwards[2][1:-1]) > 0, gaps
 
 
 def test_a_region_buckets_its_first_and_last_blocks_finely():
+    handed = ["blocks.0.attention_norm", "blocks.0.attention.wq", "blocks.0.attention.wk", "blocks.0.attention.wv"]
     assert region_bucket_plan(1) == [
-        ["blocks.0.attention_norm", "blocks.0.attention.wq"],
-        ["blocks.0.attention.wk", "blocks.0.attention.wv", "blocks.0.attention.wo"],
+        ["tok_embeddings", *handed], ["blocks.0.attention.wo"],
         ["blocks.0.ffn_norm", "blocks.0.feed_forward.w1", "blocks.0.feed_forward.w3"],
-        ["blocks.0.feed_forward.w2", "norm", "output"]]
+        ["blocks.0.feed_forward.w2", "norm", "output", "handoff"]]
     three = region_bucket_plan(3)
-    assert three[:3] == [["blocks.0.attention_norm", "blocks.0.attention.wq"],
-                         ["blocks.0.attention.wk", "blocks.0.attention.wv", "blocks.0.attention.wo"],
+    assert three[:3] == [["tok_embeddings", *handed], ["blocks.0.attention.wo"],
                          ["blocks.0.ffn_norm", "blocks.0.feed_forward"]]
     assert three[3:] == [["blocks.1"], ["blocks.2.attention_norm", "blocks.2.attention", "blocks.2.ffn_norm",
                                          "blocks.2.feed_forward.w1", "blocks.2.feed_forward.w3"],
-                         ["blocks.2.feed_forward.w2", "norm", "output"]]
+                         ["blocks.2.feed_forward.w2", "norm", "output", "handoff"]]
 
 
 @pytest.mark.slow

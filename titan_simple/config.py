@@ -211,18 +211,18 @@ class Compile:
     )
     regional: bool = option(
         False, "Regional compilation: compile one region of regional_blocks transformer blocks and reuse its code "
-        "for every region (the last region also runs the final norm and output, a second code; the embedding "
-        "compiles alone; the loss runs eagerly). "
-        "Start-up time hardly grows with depth. Each region's collectives are bucketed and reordered inside it; "
-        "none overlap across regions (docs/benchmarks.md, 'Compile time against depth')."
+        "for every region (three codes: the first region also runs the embedding, the last the final norm and "
+        "output; the loss runs eagerly). Start-up time hardly grows with depth. Each region's collectives are "
+        "bucketed and reordered inside it, and without pipeline parallel each region gathers the next region's "
+        "first weights while its last block computes (docs/benchmarks.md, 'Compile time against depth')."
     )
     regional_blocks: int = option(
         2, "With regional = true: how many consecutive transformer blocks one compiled region holds. Inside a "
         "region each bucket's all-gather is issued while the one before computes, as in the whole-model graph; "
-        "only a region's first bucket's all-gather and reduce-scatter and its last bucket's backward re-gather "
-        "are exposed (a block's norm + wq, and its w2). More blocks per region: less "
-        "exposed, a longer compile (about one block's each). A depth that is not a multiple compiles its shorter "
-        "last region too."
+        "a region's last bucket (its last block's w2) is gathered again, exposed, at the start of its backward, "
+        "and the next region's first weights (a block's attention norm and q / k / v) stay unsharded from its "
+        "forward to its backward. More blocks per region: less of both, a longer compile (about one block's "
+        "each). A depth that is not a multiple compiles its shorter last region too."
     )
     cache_dir: str = option(
         "", "Where compiled graphs and kernels are kept for the next start (torch's compile caches); '' = "
@@ -609,8 +609,9 @@ def validate(config: JobConfig) -> None:
     _require(not compile_config.manual_bucketed_modules or compile_config.bucketing == "transformer_block", config,
              "compile", "manual_bucketed_modules", "[] unless bucketing = 'transformer_block' (the manual plan)")
     _require(not compile_config.manual_bucketed_modules or not compile_config.regional, config, "compile",
-             "manual_bucketed_modules", "[] with regional = true (regions bucket themselves: the first block's norm "
-             "+ wq, the rest of it, the middle blocks, the last block but its w2, its w2; see regional_blocks)")
+             "manual_bucketed_modules", "[] with regional = true (regions bucket themselves: the first block's "
+             "attention norm + q / k / v, its wo, its feed-forward, the middle blocks, the last block but its w2, "
+             "its w2; see regional_blocks)")
     _require(compile_config.regional_blocks >= 1, config, "compile", "regional_blocks", "an integer >= 1")
     _validate_pipeline(config)
     _validate_checkpoint(config)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -324,10 +325,11 @@ class Transformer(nn.Module):
             persistent=False,
         )
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        # What training runs instead of the blocks, norm and output, when set: consecutive blocks grouped into
-        # compiled regions, the last one ending with the norm and output where this model (stage) has them
-        # (parallel/compile.py, regional compilation). A plain list, outside the module tree.
-        self.block_regions: list[nn.Module] | None = None
+        # What training runs instead of the embedding, blocks, norm and output, when set: consecutive blocks
+        # grouped into compiled regions, the first preceded by the embedding and the last followed by the norm
+        # and output where this model (stage) has them (parallel/regions.py, regional compilation). A plain
+        # object, outside the module tree.
+        self.block_regions: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.init_weights()  # on the meta device this costs nothing and fills nothing
@@ -353,18 +355,18 @@ class Transformer(nn.Module):
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
     def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         start = 0 if cache is None else cache.position
-        end = start + h.shape[1]
+        end = start + tokens.shape[1]  # tokens [batch, seq], or a pipeline stage's input [batch, seq, dim]
         if end > self.freqs_cis.shape[0]:
             raise ValueError(f"sequence length {end} exceeds max_seq_len {self.freqs_cis.shape[0]}")
         if cache is not None and end > cache.max_len:
             raise ValueError(f"sequence length {end} exceeds the KV cache's max_len {cache.max_len}")
         freqs_cis = self.freqs_cis[start:end]
-        if cache is None and self.block_regions:
-            for region in self.block_regions:
-                h = region(h, freqs_cis)
-            return h  # the last region ends with the final norm and output projection
+        if cache is None and self.block_regions is not None:
+            # Regional compilation (parallel/regions.py): the compiled regions run the embedding, the blocks,
+            # the final norm and the output projection.
+            return self.block_regions(tokens, freqs_cis)
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             # Training calls layer(h, freqs_cis) exactly as before; the cache is only passed when there is one.
             h = layer(h, freqs_cis) if cache is None else layer(h, freqs_cis, cache)

@@ -123,6 +123,39 @@ def overlap_order(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     return order
 
 
+def sink_last_reduce_scatter_waits(graph: fx.Graph) -> int:
+    """Move the waits of ``graph``'s last reduce-scatters (those waited after every reduce-scatter has started),
+    with everything that uses their results, to just before the output; return how many waits moved.
+
+    Inductor's manual overlap defers a reduce-scatter's wait past the next reduce-scatter's start, so the last
+    one has none to wait for: it is waited where it was issued. In a regional graph whose first weights were
+    handed in (``regions.py``) that last one is the first block's ``wo``, issued before the attention's backward
+    and the q / k / v projections' backward, which could hide it. Its results are graph outputs (the sharded
+    gradients, and their casts), which nothing else in the graph reads, so the move only lets that compute run
+    between the start and the wait (``overlap_order`` then pins it)."""
+    nodes = list(graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    starts = [pos[n] for n in nodes if n.op == "call_function" and COLLECTIVE_KINDS.get(_target(n)) == "reduce_scatter"]
+    if not starts:
+        return 0
+    waits = [
+        n for n in nodes[max(starts) + 1:]
+        if n.op == "call_function" and _target(n) is _c10d.wait_tensor.default
+        and (start := _collective_of_wait(n)) is not None and COLLECTIVE_KINDS[_target(start)] == "reduce_scatter"
+    ]
+    moving: set[fx.Node] = set()
+    pending = list(waits)
+    while pending:
+        node = pending.pop()
+        if node.op != "output" and node not in moving:
+            moving.add(node)
+            pending.extend(node.users)
+    output = next(n for n in reversed(nodes) if n.op == "output")
+    for node in sorted(moving, key=pos.__getitem__):
+        output.prepend(node)
+    return len(waits)
+
+
 def collective_bytes(node: fx.Node) -> int:
     """Bytes on the wire as one rank sees them: the gathered output of an all-gather, the input of a
     reduce-scatter / all-reduce."""

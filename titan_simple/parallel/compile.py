@@ -26,14 +26,15 @@ post-grad pass (``post_grad_custom_post_pass``) runs on the forward and on the b
 * **comm plan**: the final graph's collectives, recorded and written to ``dump_folder`` (``comm_plan.py``).
 
 **Regional compilation** (``CompilePlan.compile_regional``, ``[compile] regional``) compiles regions of
-``regional_blocks`` consecutive transformer blocks (``BlockRegion``; the last one also runs the final norm and
-output projection) instead of the model: one options dict (one pass object) for all of them, so Dynamo reuses
-the first region's graphs for the others and compile time hardly grows with depth. The pass buckets each region
-(``region_bucket_plan``) and reorders inside it, as in the whole-model graph; what has nothing of its region to
-hide behind (the first bucket's all-gather and reduce-scatter, the last bucket's re-gather in backward) is
-bucketed as small as a block's head and tail (in a full region). Compiling a repeated block once *inside* the
-whole graph is what torch's ``nested_compile_region`` is for, but it fails on SimpleFSDP's DTensor gathers in
-torch 2.13 (``scripts/repro_nested_compile_region.py``; docs/benchmarks.md, "Compile time against depth").
+``regional_blocks`` consecutive transformer blocks (``regions.py``: the first region also runs the embedding,
+the last the final norm and output projection) instead of the model: one options dict (one pass object) for all
+of them, so Dynamo reuses a region's graphs for every other region of its shape and compile time hardly grows
+with depth. The pass buckets each region (``region_bucket_plan``) and reorders inside it, as in the whole-model
+graph; each region gathers the next region's first weights while its last block computes (the hand-off), so
+that what a compiled graph cannot overlap with anything outside it stays small. Compiling a repeated block once
+*inside* the whole graph is what torch's ``nested_compile_region`` is for, but it fails on SimpleFSDP's DTensor
+gathers in torch 2.13 (``scripts/repro_nested_compile_region.py``; docs/benchmarks.md, "Compile time against
+depth").
 
 The other modules: ``comm_plan.py`` reads the graphs, ``cpu_cost_model.py`` gives the scheduler runtime
 estimates on CPU (it swaps two functions of ``torch.utils._runtime_estimation`` while our pass runs, then
@@ -57,9 +58,15 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from titan_simple.parallel.comm_plan import COLLECTIVE_KINDS, CommPlanRecorder, overlap_order
+from titan_simple.parallel.comm_plan import (
+    COLLECTIVE_KINDS,
+    CommPlanRecorder,
+    overlap_order,
+    sink_last_reduce_scatter_waits,
+)
 from titan_simple.parallel.compile_cache import comm_plan_store
 from titan_simple.parallel.cpu_cost_model import CpuRuntimeEstimator, cpu_roofline
+from titan_simple.parallel.regions import HEAD_BUCKET, RegionalForward, block_regions, region_bucket_plan
 from titan_simple.parallel.torch_private import (
     CustomGraphPass,
     add_control_deps,
@@ -73,22 +80,6 @@ from titan_simple.parallel.torch_private import (
 logger = logging.getLogger(__name__)
 
 BUCKETING_MODES = ("none", "transformer_block", "auto")
-# The buckets of a region's first and last blocks under regional compilation (``region_bucket_plan``), by module
-# name inside the block. A region's graph has nothing before its first collective and nothing after its last:
-# its first forward all-gather and last reduce-scatter are the first bucket's, its first backward all-gather
-# (reshard after forward gathers again) the last bucket's. So the first bucket is the smallest head of the block
-# (its norm and wq: the next bucket's all-gather runs during the wq matmul) and the last its smallest tail (w2).
-FIRST_BLOCK_BUCKETS: tuple[tuple[str, ...], ...] = (
-    ("attention_norm", "attention.wq"), ("attention.wk", "attention.wv", "attention.wo"),
-    ("ffn_norm", "feed_forward"))
-LAST_BLOCK_BUCKETS: tuple[tuple[str, ...], ...] = (
-    ("attention_norm", "attention", "ffn_norm", "feed_forward.w1", "feed_forward.w3"), ("feed_forward.w2",))
-ONE_BLOCK_BUCKETS: tuple[tuple[str, ...], ...] = (
-    *FIRST_BLOCK_BUCKETS[:2], ("ffn_norm", "feed_forward.w1", "feed_forward.w3"), ("feed_forward.w2",))
-# The model's final norm and output projection, which the last region runs after its blocks: they join the last
-# bucket (the w2 one), so their all-gather runs while the rest of the last block computes and their
-# reduce-scatter while its backward does, as in the whole-model graph's [norm, output] bucket.
-HEAD_BUCKET: tuple[str, ...] = ("norm", "output")
 # The modules whose code decides what the post-grad pass does to a graph (part of its cache key).
 _PASS_SOURCES = tuple(Path(__file__).with_name(name) for name in
                       ("compile.py", "comm_plan.py", "cpu_cost_model.py", "torch_private.py"))
@@ -153,7 +144,9 @@ class _OverlapPass(CustomGraphPass):
                 # the compute between its start and its wait": in a transformer block's graph (regional)
                 # Inductor then waited for both all-gathers before the attention compute, and fused the two
                 # norms' weight gradients, which delayed the feed-forward reduce-scatter to the block's end
-                # (measured). Pin that too.
+                # (measured). Pin that too, after letting the last reduce-scatter's wait sink to the graph's end
+                # (the manual overlap leaves it where it was issued: nothing after it to defer it past).
+                sink_last_reduce_scatter_waits(gm.graph)
                 add_control_deps(gm.graph, overlap_order(gm.graph))
                 gm.recompile()
             else:
@@ -202,8 +195,8 @@ class CompilePlan:
     ``whole_with_loss`` (the training step compiles the model and its loss as one graph, ``train/loss.py``);
     ``per_block`` (each transformer block on its own: FSDP2, TP inside multi-stage pipelines, zero-bubble
     schedules; no whole-step graph to bucket or reorder); ``regional`` (``[compile] regional``: the transformer
-    blocks share one compiled code, which buckets and reorders their collectives; the last region runs the norm and
-    output too; the embedding compiles alone, or runs eagerly under tensor parallel)."""
+    blocks share one compiled code, which buckets and reorders their collectives; the first region runs the
+    embedding too, the last the norm and output)."""
 
     mode: str = "off"
     backend: str = "inductor"
@@ -217,6 +210,9 @@ class CompilePlan:
     fingerprint: str = ""
     async_tensor_parallel: bool = False  # Inductor's micro-pipelined TP (CUDA only; train/plan.py checks)
     region_blocks: int = 1  # regional: consecutive transformer blocks compiled as one region
+    # regional: each region gathers the next region's first weights (regions.py; SimpleFSDP gathering per
+    # microbatch, no pipeline parallel: train/plan.py)
+    region_handoff: bool = False
 
     def inductor_options(self) -> dict[str, Any]:
         """The Inductor settings of this compile that do not depend on the graph (``compile_model`` adds its
@@ -242,24 +238,27 @@ class CompilePlan:
 
     def compile_regional(self, model: nn.Module) -> CommPlanRecorder | None:
         """Regional compilation: group ``model``'s transformer blocks into regions of ``region_blocks``
-        consecutive blocks (``BlockRegion``; the model runs them through ``Transformer.block_regions``) and
-        compile every region with one shared pass, so Dynamo reuses the first region's graphs for every other
-        region of its size (their guards pass: same class, shapes and settings), and compile time hardly grows
-        with depth. The last region also runs the final norm and output projection (a second code). The pass
-        buckets each region's collectives (``region_bucket_plan``) and, with reorder, issues each bucket's
-        all-gather while the bucket before it computes (in backward, each reduce-scatter runs while the bucket
-        after it computes). Across regions nothing overlaps: a region's first and last buckets are kept small."""
+        consecutive blocks (``regions.BlockRegion``: the first also runs the embedding, the last the final norm
+        and output projection; ``Transformer.forward`` runs them through ``regions.RegionalForward``) and compile
+        every region with one shared pass, so Dynamo reuses a region's graphs for every other region of its
+        shape (their guards pass: same classes, shapes and settings) and compile time hardly grows with depth:
+        three codes, the first region, the middle ones and the last. The pass buckets each region's collectives
+        (``region_bucket_plan``) and, with reorder, issues each bucket's all-gather while the bucket before it
+        computes (in backward, each reduce-scatter runs while the bucket after it computes). With
+        ``region_handoff`` each region also gathers the next region's first weights, so that their collectives
+        overlap too (``regions.py``)."""
         size = self.region_blocks
         regions = block_regions(model, size)
-        # The embedding (one parameter: nothing to bucket) compiles as a small graph of its own; under tensor
-        # parallel (its input / output layouts are forward hooks) it runs eagerly: compiled alone, the row-wise
-        # sharded embedding fails DTensor's sharding propagation (torch 2.13). A pipeline stage without blocks
-        # compiles its norm and output the same way.
-        head = [getattr(model, name, None) for name in HEAD_BUCKET]
-        for module in [getattr(model, "tok_embeddings", None), *(() if regions else head)]:
-            if module is not None and not (module._forward_pre_hooks or module._forward_hooks):
-                self._compile_forward(module)
-        model.block_regions = regions
+        if not regions:
+            # A pipeline stage without blocks: its embedding, norm and output compile alone, or run eagerly under
+            # tensor parallel (their layouts are forward hooks; compiled alone, the row-wise sharded embedding
+            # fails DTensor's sharding propagation in torch 2.13).
+            for name in ("tok_embeddings", *HEAD_BUCKET):
+                module = getattr(model, name, None)
+                if module is not None and not (module._forward_pre_hooks or module._forward_hooks):
+                    self._compile_forward(module)
+            return None
+        model.block_regions = RegionalForward(regions, handoff=self.region_handoff)
         first = _REGIONAL_COMPILES.get(self)
         if first is not None:  # another pipeline stage of this rank: the same options, so the same code
             for region in regions:
@@ -294,74 +293,6 @@ class CompilePlan:
 
 
 _REGIONAL_COMPILES: dict[CompilePlan, CommPlanRecorder] = {}  # the first regional compile of each plan
-
-
-class BlockRegion(nn.Module):
-    """Consecutive transformer blocks that run as one compiled region (regional compilation), the last region
-    followed by the model's final norm and output projection. The model keeps the regions outside its module
-    tree (``Transformer.block_regions`` is a plain list), so parameter names, state_dict and checkpoints stay as
-    they are."""
-
-    def __init__(self, blocks: Sequence[nn.Module], norm: nn.Module | None = None,
-                 output: nn.Module | None = None) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(blocks)
-        self.norm, self.output = norm, output
-
-    def forward(self, h: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            h = block(h, freqs_cis)
-        if self.norm is not None:
-            h = self.norm(h)
-        if self.output is not None:
-            h = self.output(h)
-        return h
-
-
-def block_regions(model: nn.Module, size: int) -> list[BlockRegion]:
-    """``model``'s transformer blocks in regions of ``size`` consecutive blocks, the last region followed by the
-    model's final norm and output projection where it (a pipeline stage) has them, so that their collectives
-    overlap the last blocks' (``HEAD_BUCKET``). Empty for a stage without blocks."""
-    blocks = list(model.layers.values())
-    regions = [BlockRegion(blocks[i : i + size]) for i in range(0, len(blocks), size)]
-    if regions:
-        regions[-1].norm, regions[-1].output = (getattr(model, name, None) for name in HEAD_BUCKET)
-    return regions
-
-
-def region_bucket_plan(blocks: int) -> list[list[str]]:
-    """The buckets of a region of ``blocks`` blocks, by module name inside the region: the first block's head
-    alone (``FIRST_BLOCK_BUCKETS``), the middle blocks whole (as the whole-model plan), the last block's tail
-    alone (``LAST_BLOCK_BUCKETS``; ``ONE_BLOCK_BUCKETS`` when the region is one block), with the final norm and
-    output in that last bucket (``HEAD_BUCKET``: the last region's only). What nothing in a region's graph hides
-    is then the first bucket's all-gather and reduce-scatter and the last bucket's backward all-gather: a norm
-    and wq, and a w2 (1/13 and about 1/4 of a Llama 3 8B block; w2 + norm + output in the last region) instead
-    of whole blocks. A region without the head, or a shorter region (a depth or a pipeline stage that is not a
-    multiple of ``blocks``), finds no modules for the names it lacks: those buckets are empty, and a shorter
-    region's last bucket is whatever its last block's names find (its feed-forward half for one block of a
-    plan of 2, a whole block for more)."""
-    def named(index: int, buckets: tuple[tuple[str, ...], ...]) -> list[list[str]]:
-        return [[f"blocks.{index}.{name}" for name in bucket] for bucket in buckets]
-
-    if blocks == 1:
-        plan = named(0, ONE_BLOCK_BUCKETS)
-    else:
-        middle = [[f"blocks.{i}"] for i in range(1, blocks - 1)]
-        plan = named(0, FIRST_BLOCK_BUCKETS) + middle + named(blocks - 1, LAST_BLOCK_BUCKETS)
-    plan[-1] += HEAD_BUCKET
-    return plan
-
-
-def bucket_modules(region: nn.Module, names: Sequence[str]) -> list[nn.Module]:
-    """The modules of ``region`` that one bucket of ``region_bucket_plan`` names (none for the names past a
-    shorter region's end, or the head's in a region without it)."""
-    found = []
-    for name in names:
-        try:
-            found.append(region.get_submodule(name))
-        except AttributeError:  # a name past its end, or the norm / output it does not run (None)
-            continue
-    return found
 
 
 def _forward_of(module: nn.Module, *args: Any, **kwargs: Any) -> Any:

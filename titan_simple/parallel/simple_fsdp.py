@@ -75,14 +75,26 @@ class _GatherSpec:
 
 def _gather(param: DTensor, spec: _GatherSpec) -> torch.Tensor:
     """The unsharded parameter for compute; its backward reduces the gradient over the dp dims."""
+    return _for_compute(_unshard(param, spec), param, spec)
+
+
+def _unshard(param: DTensor, spec: _GatherSpec) -> torch.Tensor:
+    """The parameter all-gathered over the dp dims, as a local tensor (this rank's TP shard under tensor
+    parallel); its backward reduces the gradient over the dp dims."""
     dp = spec.dp_dims
     unsharded = param.redistribute(
         placements=(Replicate(),) * dp + spec.tp_placements,
         forward_dtype=spec.mp_policy.param_dtype,  # cast first: the all-gather runs in param_dtype
         backward_dtype=spec.mp_policy.reduce_dtype,  # the reduce-scatter / all-reduce runs in reduce_dtype
     )
-    local = unsharded.to_local(grad_placements=(Partial("sum"),) * dp + spec.tp_placements)
-    return _for_compute(local, param, spec)
+    return unsharded.to_local(grad_placements=(Partial("sum"),) * dp + spec.tp_placements)
+
+
+def gather_unsharded(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``module``'s parameters all-gathered now, in the form ``module._held_unsharded`` takes (dp-unsharded local
+    tensors in ``param_dtype`` whose backward reduces the gradient): for a caller that gathers them ahead of the
+    forward that uses them (regional compilation's hand-off, ``regions.py``)."""
+    return {name: _unshard(module._parameters[name], spec) for name, spec in module._gather_specs.items()}
 
 
 def _for_compute(local: torch.Tensor, param: DTensor, spec: _GatherSpec) -> torch.Tensor:

@@ -30,12 +30,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from titan_simple.parallel.compile import (
+from titan_simple.parallel.compile import transformer_block_plan
+from titan_simple.parallel.regions import (
+    HANDOFF_MODULES,
     HEAD_BUCKET,
     block_regions,
     bucket_modules,
     region_bucket_plan,
-    transformer_block_plan,
 )
 from titan_simple.parallel.tensor_parallel import loss_parallel_context
 from titan_simple.planning.trace import Collective, OpCost, StepTracer, fused_attention, ignoring_shape_propagation
@@ -62,6 +63,9 @@ class StageTrace:
     # Regional compilation: the parameter bytes whose collectives no compute of their graph hides, in bytes of
     # whole buckets' traffic (the embedding; each region's first and last buckets, ``_region_exposed_bytes``).
     region_exposed_bytes: int = 0
+    # Regional compilation's hand-off: the weights held unsharded from a region's forward to its backward
+    # (``_handoff_held_bytes``; included in ``activation_bytes`` and ``peak_bytes``).
+    handoff_held_bytes: int = 0
 
 
 def _local_bytes(tensors) -> int:
@@ -110,19 +114,24 @@ def _trace_part(part: nn.Module, stage: int | None, run: RunPlan, tracer: StepTr
             tracer.set_phase("backward")
             out.backward(torch.empty_like(out))
     peak = max(tracer.phase_peaks.get("forward", 0), tracer.phase_peaks.get("backward", 0))
+    # The trace runs the model eagerly, without regions: add what the regional hand-off holds from forward to
+    # backward (all of it is alive where forward ends, about where the peak is).
+    held = _handoff_held_bytes(part, run)
     layers = [int(name) for name in part.layers.keys()]
-    return StageTrace(stage, layers, kept, peak, boundary, len(transformer_block_plan(part)),
-                      sum(1 for _ in part.parameters()), _region_exposed_bytes(part, run))
+    return StageTrace(stage, layers, kept + held, peak + held, boundary, len(transformer_block_plan(part)),
+                      sum(1 for _ in part.parameters()), _region_exposed_bytes(part, run), held)
 
 
 def _region_exposed_bytes(part: nn.Module, run: RunPlan) -> int:
     """``StageTrace.region_exposed_bytes`` of ``part`` in regions of ``run.compile.region_blocks`` blocks
-    (``parallel/compile.region_bucket_plan``). Nothing in a region's graph hides its first bucket's forward
-    all-gather and gradient reduction, nor its last bucket's backward re-gather (reshard after forward only; the
-    last region's last bucket holds the final norm and output too); nothing hides the embedding's graph either.
-    A bucket's exposed collectives count by their share of its data-parallel traffic, each weighed by its
-    dtype's bytes: the all-gathers (none under replicate) in ``param_dtype``, the reduction (reduce-scatter,
-    all-reduce, or both under hybrid_shard: one share) in ``reduce_dtype``."""
+    (``parallel/regions.py``). Nothing in a region's graph hides its last bucket's backward re-gather (reshard
+    after forward only; the last region's last bucket holds the final norm and output too). Nothing hides the
+    first bucket's forward all-gather and gradient reduction either (the embedding's and the first block's
+    attention norm and q / k / v projections) where the region gathers it itself: the first region, or every
+    region without the hand-off (``CompilePlan.region_handoff``); with it, the region before gathers and reduces
+    them behind its own compute. A bucket's exposed collectives count by their share of its data-parallel
+    traffic, each weighed by its dtype's bytes: the all-gathers (none under replicate) in ``param_dtype``, the
+    reduction (reduce-scatter, all-reduce, or both under hybrid_shard: one share) in ``reduce_dtype``."""
     sharded = run.dims.data_parallel_mode != "replicate"
     gather = torch.finfo(run.precision.param_dtype).bits if sharded else 0
     regather = gather if run.parallel.reshard_after_forward else 0
@@ -132,16 +141,34 @@ def _region_exposed_bytes(part: nn.Module, run: RunPlan) -> int:
     def nbytes(modules) -> int:
         return _local_bytes(param for module in modules for param in module.parameters())
 
-    embedding = getattr(part, "tok_embeddings", None)
-    exposed = float(nbytes([embedding] if embedding is not None else []))
     size = run.compile.region_blocks
     regions = block_regions(part, size)
-    if not regions:  # the norm and output compile as graphs of their own
-        return int(exposed + nbytes(m for name in HEAD_BUCKET if (m := getattr(part, name, None)) is not None))
-    for region in regions:
+    if not regions:  # the embedding, norm and output compile as graphs of their own
+        return nbytes(m for name in ("tok_embeddings", *HEAD_BUCKET) if (m := getattr(part, name, None)) is not None)
+    exposed = 0.0
+    for index, region in enumerate(regions):
         buckets = [modules for names in region_bucket_plan(size) if (modules := bucket_modules(region, names))]
-        exposed += (nbytes(buckets[0]) * (gather + reduce) + nbytes(buckets[-1]) * regather) / per_bucket
+        handed = run.compile.region_handoff and index > 0
+        exposed += ((0 if handed else nbytes(buckets[0]) * (gather + reduce)) + nbytes(buckets[-1]) * regather
+                    ) / per_bucket
     return int(exposed)
+
+
+def _handoff_held_bytes(part: nn.Module, run: RunPlan) -> int:
+    """The weights the regional hand-off keeps unsharded from a region's forward to its backward: every region's
+    but the first, first block's attention norm and q / k / v projections (``regions.HANDOFF_MODULES``), dp
+    gathered, in ``param_dtype`` (a replicated weight is held as itself: nothing more)."""
+    if not run.compile.region_handoff or run.dims.data_parallel_mode == "replicate":
+        return 0
+    itemsize = torch.finfo(run.precision.param_dtype).bits // 8
+    regions = block_regions(part, run.compile.region_blocks)
+    held = 0
+    for region in regions[1:]:
+        for module in bucket_modules(region.blocks[0], HANDOFF_MODULES):
+            for param in module.parameters():
+                local = param.to_local() if isinstance(param, DTensor) else param
+                held += local.numel() * run.dims.dp_shard * itemsize
+    return held
 
 
 @contextlib.contextmanager

@@ -379,6 +379,7 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
             "optimizer_state": trace.optimizer_bytes,
             "activations": activations,
             "activations_per_microbatch": kept,
+            "regional_handoff": max(part.handoff_held_bytes for part in trace.parts),  # within the activations
             "transient": transient,
             "peak": peak,
             "reserved": reserved,

@@ -185,6 +185,11 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
         manual_plan=tuple(p if isinstance(p, str) else tuple(p) for p in compile_config.manual_bucketed_modules),
         reorder=compile_config.reorder, dump_folder=config.job.dump_folder,
         region_blocks=compile_config.regional_blocks if compile_mode == "regional" else 1,
+        # Each region gathers the next one's first weights (parallel/regions.py): only where SimpleFSDP gathers
+        # them per microbatch (gathering once per step holds every weight already) and the regions are one model
+        # (a pipeline stage's last region has no next one on its rank).
+        region_handoff=(compile_mode == "regional" and dims.dp_enabled and dims.pp == 1
+                        and gather == "per_microbatch"),
         async_tensor_parallel=choose_async_tensor_parallel(config, dims, device_type),
         cache_dir=compile_cache_folder(config),
     )
