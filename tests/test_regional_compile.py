@@ -4,17 +4,17 @@ One set of 2 gloo processes trains test_pipeline's recipe (6-layer debug model, 
 clipping active) through the trainer's own build and step, with the default 2 blocks per region:
 
 * SimpleFSDP fully_shard over 2 ranks, compiled regionally, matches the single-process reference (losses and
-  gradient norms). Dynamo compiles 3 frames: the first region (which also runs the embedding), the middle one and
-  the last (which also runs the final norm and output projection). Each region's graph buckets its collectives
-  as the first block's attention norm + q / k / v projections (with the embedding in the first region), its
-  wo, its feed-forward, the second block but its w2, and that w2 with the next region's first bucket (the
-  hand-off: the next region computes with those weights instead of gathering them) or, in the last region, with
-  the norm + output. Forward: one all-gather per bucket, each but the first region's first issued while the
-  bucket before it computes. Backward: the same all-gathers again (reshard after forward; not the embedding nor
-  the hand-off), one reduce-scatter per bucket, every reduce-scatter but the first region's last overlapped, the
-  wo one behind the attention's backward. Inductor's generated code keeps that overlap (compute kernels between a
-  collective's start and its wait): the order our pass pins with control dependencies
-  (``comm_plan.overlap_order``).
+  gradient norms). Dynamo compiles 3 frames: the embedding's region, the block regions (the first two) and the
+  last (which also runs the final norm and output projection). A block region's graph buckets its collectives
+  as its first block's attention norm + q / k / v projections (handed to it: nothing moves), its wo, its
+  feed-forward, the second block but its w2, and that w2 with the next region's first bucket (the hand-off: the
+  next region computes with those weights instead of gathering them) or, in the last region, with the norm +
+  output. The embedding's region gathers the embedding and the first region's hand-off. Forward: one all-gather
+  per bucket, each in a block region issued while the bucket before it computes. Backward: the same all-gathers
+  again (reshard after forward; not the embedding nor a hand-off), one reduce-scatter per bucket, each in a block
+  region overlapped, the wo one behind the attention's backward. Inductor's generated code keeps that overlap
+  (compute kernels between a collective's start and its wait): the order our pass pins with control
+  dependencies (``comm_plan.overlap_order``).
 * Tensor parallel over the 2 ranks (sequence parallel, loss parallel), compiled regionally, matches too; so does
   replicate (the hand-off then carries the all-reduce of those gradients).
 * An Interleaved1F1B pipeline (2 stages per rank, of 2 and 1 blocks) compiled regionally: both stages of a rank
@@ -68,6 +68,11 @@ def _train(rank: int, world_size: int) -> dict:
         out["mode"] = layout.plan.compile.mode
         forward = layout.parts.modules[-1].block_regions  # regions.RegionalForward
         out["handoff"] = [bool(r) for r in forward.receivers]
+        out["received_bytes"] = [sum(4 * p.numel() for m in received for p in m.parameters())
+                                 for received in forward.receivers]
+        # Nothing keeps a handed-off weight after its region ran (it would live through the optimizer step).
+        out["held_after_training"] = sum(getattr(m, "_held_unsharded", None) is not None
+                                         for part in layout.parts.modules for m in part.modules())
         out["bucket_bytes"] = [_bucket_bytes(region, received)
                                for region, received in zip(forward.regions, forward.receivers, strict=True)]
         out["recorders"] = [{"settings": r.settings, "graphs": r.graphs}
@@ -118,66 +123,75 @@ def test_regional_compile_matches_single_process(ranks, reference, name):
 def test_every_region_runs_one_compiled_code_that_overlaps_its_collectives(ranks):
     result = ranks[0]["fully_shard"]
     assert result["graph_breaks"] == {}
-    assert result["unique_graphs"] == 3  # the first region (with the embedding), the middle one, the last
-    assert result["handoff"] == [False, True, True]
+    assert result["unique_graphs"] == 3  # the embedding's region, the block regions, the last one
+    # The embedding's region hands the first block region its first weights, and so on.
+    assert result["handoff"] == [False, True, True, True] and result["held_after_training"] == 0
     (recorder,) = result["recorders"]
     assert recorder["settings"]["plan"] == region_bucket_plan(2)
     graphs = recorder["graphs"]
     assert sorted(graphs) == ["backward", "backward_1", "backward_2", "forward", "forward_1", "forward_2"]
-    # Per region, per bucket: (all-gather, re-gather, reduce-scatter) bytes. The first region moves its first
-    # bucket itself, with the embedding; the others were handed it. Every region but the last gathers the next
-    # one's first bucket with its w2; the last, the norm and output.
-    first, middle, last = result["bucket_bytes"]
-    assert all(all(row) for row in first) and middle[0] == last[0] == (0, 0, 0), result["bucket_bytes"]
-    assert first[1:4] == middle[1:4] == last[1:4]
-    assert first[-1] == middle[-1] and first[-1][0] > first[-1][1] and last[-1][0] == last[-1][1] > middle[-1][1]
+    # Per region, per bucket: (all-gather, re-gather, reduce-scatter) bytes. The embedding's region moves the
+    # embedding and the first block region's first bucket; every block region was handed its first bucket and
+    # gathers the next one's with its w2, the last region the norm and output.
+    embedding, first, middle, last = result["bucket_bytes"]
+    assert first == middle, result["bucket_bytes"]  # one code
+    assert embedding[0][0] and embedding[-1][0] and not any(map(any, embedding[1:-1])) and embedding[-1][1] == 0
+    # What a region gathers for the next is what the next was handed (the first block's norm and q / k / v).
+    handed = result["received_bytes"]
+    assert handed[0] == 0 and handed[1] == handed[2] == handed[3] > 0
+    assert embedding[-1][0] == handed[1] and first[-1][0] - first[-1][1] == handed[2]
+    assert first[0] == last[0] == (0, 0, 0) and all(all(row) for row in first[1:]), result["bucket_bytes"]
+    assert first[1:4] == last[1:4] and first[-1][0] > first[-1][1]
+    assert last[-1][0] == last[-1][1] > first[-1][1]
+    codes = {"embedding": embedding, "blocks": first, "last": last}
 
-    def plan(region, phase):
-        """The collectives ``region``'s graph should issue: forward, one all-gather per moving bucket, in order;
-        backward, in reverse, the re-gathers and the reduce-scatters."""
+    def plan(rows, phase):
+        """The collectives a region's graph should issue: forward, one all-gather per moving bucket, in order;
+        backward (sorted here; the order is checked below), the re-gathers and the reduce-scatters."""
         if phase == "forward":
-            return [("all_gather", row[0]) for row in region if row[0]]
-        return sorted([("all_gather", row[1]) for row in region if row[1]] +
-                      [("reduce_scatter", row[2]) for row in region if row[2]])
+            return [("all_gather", row[0]) for row in rows if row[0]]
+        return sorted([("all_gather", row[1]) for row in rows if row[1]] +
+                      [("reduce_scatter", row[2]) for row in rows if row[2]])
 
-    by_region = {}
+    by_code = {}
     for name, collectives in graphs.items():
         phase = name.split("_")[0]
         found = [(c["kind"], c["bytes"]) for c in collectives]
         key = found if phase == "forward" else sorted(found)
-        matches = [i for i, region in enumerate((first, middle, last)) if plan(region, phase) == key]
+        matches = [code for code, rows in codes.items() if plan(rows, phase) == key]
         assert len(matches) == 1, (name, collectives, result["bucket_bytes"])
-        by_region[(phase, matches[0])] = collectives
-    assert len(by_region) == 6
-    for index, region in enumerate((first, middle, last)):
-        forward, backward = by_region[("forward", index)], by_region[("backward", index)]
-        # Forward: each all-gather but the first region's first is issued while the bucket before it computes
-        # (a handed region's first, the wo bucket, while the q / k / v projections do).
-        assert [c["exposed"] for c in forward] == [index == 0] + [False] * (len(forward) - 1), (index, forward)
+        by_code[(phase, matches[0])] = collectives
+    assert len(by_code) == 6
+    # The embedding's region has nothing to hide its collectives behind but the embedding lookup and its
+    # backward; the whole-model graph cannot hide the embedding's either.
+    assert all(c["exposed"] for c in by_code[("forward", "embedding")] + by_code[("backward", "embedding")])
+    for code in ("blocks", "last"):
+        rows, forward, backward = codes[code], by_code[("forward", code)], by_code[("backward", code)]
+        # Forward: every all-gather is issued while the bucket before it computes (the wo bucket's while the
+        # handed q / k / v projections do).
+        assert not any(c["exposed"] for c in forward), (code, forward)
         gathers = [c["bytes"] for c in backward if c["kind"] == "all_gather"]
         reduce_scatters = [c for c in backward if c["kind"] == "reduce_scatter"]
-        assert gathers == [row[1] for row in region[::-1] if row[1]] and backward[0]["kind"] == "all_gather"
-        assert [c["bytes"] for c in reduce_scatters] == [row[2] for row in region[::-1] if row[2]]
-        # Every reduce-scatter but the first region's last (the embedding's bucket) runs behind compute; a handed
-        # region's last, the wo one, behind the attention's and q / k / v's backward.
-        assert [c["exposed"] for c in reduce_scatters] == [False] * (len(reduce_scatters) - 1) + [index == 0], (
-            index, backward)
-    # The code Inductor generated: 6 graphs, forward and backward of each region code. Every collective has
-    # compute kernels between its start and its wait, but the first region's first all-gather and last
-    # reduce-scatter (measured: forward [0, 7, 1, 7, 14] and [4, 1, 7, 14] twice; backward [1, 3, 24, 23, 11, 11,
-    # 2, 3, 13, 0], [1, 3, 24, 23, 11, 11, 12, 10] and [1, 8, 24, 23, 11, 11, 12, 10]: every first re-gather with
-    # 1 kernel). Without our control dependencies Inductor waited for every all-gather of a block before its
-    # compute, and a handed region's wo reduce-scatter where it was issued.
+        assert gathers == [row[1] for row in rows[::-1] if row[1]] and backward[0]["kind"] == "all_gather"
+        assert [c["bytes"] for c in reduce_scatters] == [row[2] for row in rows[::-1] if row[2]]
+        # Every reduce-scatter runs behind compute, the last (wo's) behind the attention's and q / k / v's
+        # backward.
+        assert not any(c["exposed"] for c in reduce_scatters), (code, backward)
+    # The code Inductor generated: 6 graphs, forward and backward of each code. In the block regions every
+    # collective but the first backward re-gather has compute kernels between its start and its wait (measured:
+    # forward [4, 1, 7, 14] twice; backward [1, 3, 24, 23, 11, 11, 12, 10] and [1, 8, 24, 23, 11, 11, 12, 10];
+    # the embedding's region [0, 1] and [0, 0]). Without our control dependencies Inductor waited for every
+    # all-gather of a block before its compute, and for the wo reduce-scatter where it was issued.
     gaps = result["generated_overlap"]
     assert len(gaps) == 6, gaps
-    forwards = sorted((g for g in gaps if len(g) in (4, 5)), key=len)
-    backwards = sorted((g for g in gaps if len(g) in (8, 10)), key=len)
-    assert [len(g) for g in forwards] == [4, 4, 5] and [len(g) for g in backwards] == [8, 8, 10], gaps
-    assert all(min(g) > 0 for g in forwards[:2]) and forwards[2][0] == 0 and min(forwards[2][1:]) > 0, gaps
-    assert all(min(g[1:]) > 0 for g in backwards[:2]) and min(backwards[2][1:-1]) > 0, gaps
+    forwards = [g for g in gaps if len(g) == 4]
+    backwards = [g for g in gaps if len(g) == 8]
+    assert len(forwards) == len(backwards) == 2, gaps
+    assert all(min(g) > 0 for g in forwards) and all(min(g[1:]) > 0 for g in backwards), gaps
 
 
 def test_a_region_buckets_its_first_and_last_blocks_finely():
+    # The embedding's region finds its embedding in the first bucket and its hand-off in the last.
     handed = ["blocks.0.attention_norm", "blocks.0.attention.wq", "blocks.0.attention.wk", "blocks.0.attention.wv"]
     assert region_bucket_plan(1) == [
         ["tok_embeddings", *handed], ["blocks.0.attention.wo"],
@@ -197,8 +211,10 @@ def test_pipeline_stages_of_a_rank_share_one_regional_compile(ranks):
         recorders = rank["interleaved_pp2"]["recorders"]
         assert len(recorders) == 1
         # A rank runs the stages (0, 1) + (4,) or (2, 3) + (5,): a region of 2 blocks and a shorter one of 1,
-        # two graphs of the one shared compile.
-        assert sorted(recorders[0]["graphs"]) == ["backward", "backward_1", "forward", "forward_1"]
+        # two codes of the one shared compile; rank 0's first stage also has the embedding's region.
+        codes = 3 if rank is ranks[0] else 2
+        assert sorted(recorders[0]["graphs"]) == sorted(
+            [f"{phase}{f'_{i}' if i else ''}" for phase in ("forward", "backward") for i in range(codes)])
 
 
 def test_regional_refuses_a_manual_bucket_plan():

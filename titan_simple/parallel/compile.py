@@ -26,15 +26,15 @@ post-grad pass (``post_grad_custom_post_pass``) runs on the forward and on the b
 * **comm plan**: the final graph's collectives, recorded and written to ``dump_folder`` (``comm_plan.py``).
 
 **Regional compilation** (``CompilePlan.compile_regional``, ``[compile] regional``) compiles regions of
-``regional_blocks`` consecutive transformer blocks (``regions.py``: the first region also runs the embedding,
-the last the final norm and output projection) instead of the model: one options dict (one pass object) for all
-of them, so Dynamo reuses a region's graphs for every other region of its shape and compile time hardly grows
-with depth. The pass buckets each region (``region_bucket_plan``) and reorders inside it, as in the whole-model
-graph; each region gathers the next region's first weights while its last block computes (the hand-off), so
-that what a compiled graph cannot overlap with anything outside it stays small. Compiling a repeated block once
-*inside* the whole graph is what torch's ``nested_compile_region`` is for, but it fails on SimpleFSDP's DTensor
-gathers in torch 2.13 (``scripts/repro_nested_compile_region.py``; docs/benchmarks.md, "Compile time against
-depth").
+``regional_blocks`` consecutive transformer blocks (``regions.py``; the last region also runs the final norm
+and output projection, the embedding is a small region of its own) instead of the model: one options dict (one
+pass object) for all of them, so Dynamo reuses a region's graphs for every other region of its shape and
+compile time hardly grows with depth. The pass buckets each region (``region_bucket_plan``) and reorders inside
+it, as in the whole-model graph; each region gathers the next region's first weights while its last block
+computes (the hand-off), so that what a compiled graph cannot overlap with anything outside it stays small.
+Compiling a repeated block once *inside* the whole graph is what torch's ``nested_compile_region`` is for, but
+it fails on SimpleFSDP's DTensor gathers in torch 2.13 (``scripts/repro_nested_compile_region.py``;
+docs/benchmarks.md, "Compile time against depth").
 
 The other modules: ``comm_plan.py`` reads the graphs, ``cpu_cost_model.py`` gives the scheduler runtime
 estimates on CPU (it swaps two functions of ``torch.utils._runtime_estimation`` while our pass runs, then
@@ -66,7 +66,7 @@ from titan_simple.parallel.comm_plan import (
 )
 from titan_simple.parallel.compile_cache import comm_plan_store
 from titan_simple.parallel.cpu_cost_model import CpuRuntimeEstimator, cpu_roofline
-from titan_simple.parallel.regions import HEAD_BUCKET, RegionalForward, block_regions, region_bucket_plan
+from titan_simple.parallel.regions import HEAD_BUCKET, RegionalForward, region_bucket_plan
 from titan_simple.parallel.torch_private import (
     CustomGraphPass,
     add_control_deps,
@@ -195,8 +195,8 @@ class CompilePlan:
     ``whole_with_loss`` (the training step compiles the model and its loss as one graph, ``train/loss.py``);
     ``per_block`` (each transformer block on its own: FSDP2, TP inside multi-stage pipelines, zero-bubble
     schedules; no whole-step graph to bucket or reorder); ``regional`` (``[compile] regional``: the transformer
-    blocks share one compiled code, which buckets and reorders their collectives; the first region runs the
-    embedding too, the last the norm and output)."""
+    blocks share one compiled code, which buckets and reorders their collectives; the last region runs the norm
+    and output too; the embedding compiles as a small region of its own, or runs eagerly under tensor parallel)."""
 
     mode: str = "off"
     backend: str = "inductor"
@@ -238,18 +238,18 @@ class CompilePlan:
 
     def compile_regional(self, model: nn.Module) -> CommPlanRecorder | None:
         """Regional compilation: group ``model``'s transformer blocks into regions of ``region_blocks``
-        consecutive blocks (``regions.BlockRegion``: the first also runs the embedding, the last the final norm
-        and output projection; ``Transformer.forward`` runs them through ``regions.RegionalForward``) and compile
-        every region with one shared pass, so Dynamo reuses a region's graphs for every other region of its
-        shape (their guards pass: same classes, shapes and settings) and compile time hardly grows with depth:
-        three codes, the first region, the middle ones and the last. The pass buckets each region's collectives
-        (``region_bucket_plan``) and, with reorder, issues each bucket's all-gather while the bucket before it
-        computes (in backward, each reduce-scatter runs while the bucket after it computes). With
-        ``region_handoff`` each region also gathers the next region's first weights, so that their collectives
-        overlap too (``regions.py``)."""
+        consecutive blocks (``regions.BlockRegion``, the last one followed by the final norm and output
+        projection), after the embedding's own region; ``Transformer.forward`` runs them through
+        ``regions.RegionalForward``. Every region compiles with one shared pass, so Dynamo reuses a region's
+        graphs for every other region of its shape (their guards pass: same classes, shapes and settings) and
+        compile time hardly grows with depth: three codes, the embedding's, the blocks' and the last region's.
+        The pass buckets each region's collectives (``region_bucket_plan``) and, with reorder, issues each
+        bucket's all-gather while the bucket before it computes (in backward, each reduce-scatter runs while the
+        bucket after it computes). With ``region_handoff`` each region also gathers the next region's first
+        weights, so that their collectives overlap too (``regions.py``)."""
         size = self.region_blocks
-        regions = block_regions(model, size)
-        if not regions:
+        forward = RegionalForward(model, size, handoff=self.region_handoff)
+        if not forward.regions:
             # A pipeline stage without blocks: its embedding, norm and output compile alone, or run eagerly under
             # tensor parallel (their layouts are forward hooks; compiled alone, the row-wise sharded embedding
             # fails DTensor's sharding propagation in torch 2.13).
@@ -258,7 +258,8 @@ class CompilePlan:
                 if module is not None and not (module._forward_pre_hooks or module._forward_hooks):
                     self._compile_forward(module)
             return None
-        model.block_regions = RegionalForward(regions, handoff=self.region_handoff)
+        model.block_regions = forward
+        regions = forward.compiled
         first = _REGIONAL_COMPILES.get(self)
         if first is not None:  # another pipeline stage of this rank: the same options, so the same code
             for region in regions:

@@ -1,22 +1,24 @@
 """Regional compilation's regions: what each compiled region runs, how its collectives are bucketed, and the
 hand-off that lets a region gather the next region's first weights.
 
-A region is ``regional_blocks`` consecutive transformer blocks (``BlockRegion``). The first region also runs the
-token embedding and the last the final norm and output projection, so the regions in order are the model's
-forward (``RegionalForward``, which ``Transformer.forward`` calls). Every region of one shape shares one
-compiled code (``compile.CompilePlan.compile_regional``): the first region, the middle ones, the last.
+A region is ``regional_blocks`` consecutive transformer blocks (``BlockRegion``); the last one also runs the final
+norm and output projection. The token embedding runs before them as a small region of its own
+(``EmbeddingRegion``). ``RegionalForward`` runs them in order for ``Transformer.forward``. Every region of one
+shape shares one compiled code (``compile.CompilePlan.compile_regional``): the embedding's, the blocks', the
+last region's.
 
 **Why a hand-off.** Nothing in a compiled graph overlaps what runs before or after it. A region left to itself
 waits for its first all-gather before any compute, and for its first weights' reduce-scatter after all of its
 backward. So each region but the last also all-gathers the next region's first weights (``HANDOFF_MODULES``:
 the first block's attention norm and q / k / v projections) in its last bucket, while its last block computes,
-and returns them (``HandoffGather``). The next region computes with them (SimpleFSDP's ``_held_unsharded``)
-instead of gathering; autograd carries their gradients back into this region's backward, which reduces them
-with its last bucket while the rest of its backward computes. A region's backward then ends with the
-reduce-scatter of its first block's ``wo``, issued before the attention's backward. What no region hides is the
-first backward re-gather (its last bucket: a w2, resharded after forward). The cost: the handed-off weights stay
-unsharded from the next region's forward to its backward (Llama 3 8B: 48 MiB per region). The hand-off runs
-when SimpleFSDP gathers per microbatch without pipeline parallel (``CompilePlan.region_handoff``).
+and returns them (``HandoffGather``); the embedding's region does it for the first block region. The next region
+computes with them (SimpleFSDP's ``_held_unsharded``) instead of gathering; autograd carries their gradients back
+into this region's backward, which reduces them with its last bucket while the rest of its backward computes. A
+region's backward then ends with the reduce-scatter of its first block's ``wo``, issued before the attention's
+backward. What no region hides is its first backward re-gather (its last bucket: a w2, resharded after
+forward). Every block region is handed its first weights, so all but the last share one code. The cost: the
+handed-off weights stay unsharded from a region's forward to its backward (Llama 3 8B: 48 MiB per region). The
+hand-off runs when SimpleFSDP gathers per microbatch without pipeline parallel (``CompilePlan.region_handoff``).
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from torch import nn
 from titan_simple.parallel.simple_fsdp import gather_unsharded
 
 # A region's buckets, by module name inside its first and last blocks (``region_bucket_plan``). The first
-# bucket is the hand-off (gathered by the region before); the first region, which has none before it, gathers
-# it with the embedding. The last bucket is the last block's w2: its backward re-gather is the one collective of
-# a region that nothing hides, so it is the smallest tail of a block.
+# bucket is the hand-off (gathered by the region before; a region without one gathers it itself). The last
+# bucket is the last block's w2: its backward re-gather is the one collective of a region that nothing hides, so
+# it is the smallest tail of a block.
 HANDOFF_MODULES: tuple[str, ...] = ("attention_norm", "attention.wq", "attention.wk", "attention.wv")
 FIRST_BLOCK_BUCKETS: tuple[tuple[str, ...], ...] = (
     HANDOFF_MODULES, ("attention.wo",), ("ffn_norm", "feed_forward"))
@@ -59,24 +61,34 @@ class HandoffGather(nn.Module):
         return tuple(t for module in self.receivers for t in gather_unsharded(module).values())
 
 
+class EmbeddingRegion(nn.Module):
+    """The token embedding as a region of its own, before the block regions: with the hand-off it also gathers
+    the first block region's first weights."""
+
+    def __init__(self, tok_embeddings: nn.Module) -> None:
+        super().__init__()
+        self.tok_embeddings = tok_embeddings
+        self.handoff: HandoffGather | None = None
+
+    def forward(self, tokens: torch.Tensor, freqs_cis: torch.Tensor):
+        h = self.tok_embeddings(tokens)
+        return h if self.handoff is None else (h, self.handoff())
+
+
 class BlockRegion(nn.Module):
-    """Consecutive transformer blocks that run as one compiled region: the first region after the token
-    embedding, the last followed by the final norm and output projection, every other one returning the next
-    region's first weights (``handoff``). The model keeps its regions outside its module tree
-    (``Transformer.block_regions`` is a plain object), so parameter names, state_dict and checkpoints stay as they
-    are."""
+    """Consecutive transformer blocks that run as one compiled region, the last region followed by the final
+    norm and output projection, every other one returning the next region's first weights (``handoff``). The
+    model keeps its regions outside its module tree (``Transformer.block_regions`` is a plain object), so
+    parameter names, state_dict and checkpoints stay as they are."""
 
     def __init__(self, blocks: Sequence[nn.Module]) -> None:
         super().__init__()
-        self.tok_embeddings: nn.Module | None = None
         self.blocks = nn.ModuleList(blocks)
         self.norm: nn.Module | None = None
         self.output: nn.Module | None = None
         self.handoff: HandoffGather | None = None
 
     def forward(self, h: torch.Tensor, freqs_cis: torch.Tensor):
-        if self.tok_embeddings is not None:
-            h = self.tok_embeddings(h)
         for block in self.blocks:
             h = block(h, freqs_cis)
         if self.norm is not None:
@@ -87,13 +99,12 @@ class BlockRegion(nn.Module):
 
 
 def block_regions(model: nn.Module, size: int) -> list[BlockRegion]:
-    """``model``'s transformer blocks in regions of ``size`` consecutive blocks, the first region preceded by
-    the token embedding and the last followed by the final norm and output projection, where ``model`` (a
-    pipeline stage) has them. Empty for a stage without blocks. No hand-off: ``RegionalForward`` adds it."""
+    """``model``'s transformer blocks in regions of ``size`` consecutive blocks, the last region followed by the
+    final norm and output projection where ``model`` (a pipeline stage) has them. Empty for a stage without
+    blocks. No hand-off: ``RegionalForward`` adds it."""
     blocks = list(model.layers.values())
     regions = [BlockRegion(blocks[i : i + size]) for i in range(0, len(blocks), size)]
     if regions:
-        regions[0].tok_embeddings = getattr(model, EMBEDDING, None)
         regions[-1].norm, regions[-1].output = (getattr(model, name, None) for name in HEAD_BUCKET)
     return regions
 
@@ -104,16 +115,31 @@ def handoff_receivers(region: BlockRegion) -> list[nn.Module]:
 
 
 class RegionalForward:
-    """The model's forward through its compiled regions, in order; with ``handoff``, each region's gathered
-    hand-off is held by the next region's first modules while that region runs."""
+    """The model's forward through its regions, in order: the embedding's (where the model has one) and the
+    block regions. With ``handoff`` each region's gathered hand-off is held by the next region's first modules
+    while that region runs. The embedding's region runs eagerly where its layouts are forward hooks (tensor
+    parallel: compiled alone, the row-wise sharded embedding fails DTensor's sharding propagation in torch 2.13);
+    the first block region then gathers its first weights itself (a code of its own)."""
 
-    def __init__(self, regions: Sequence[BlockRegion], handoff: bool) -> None:
-        self.regions = list(regions)
+    def __init__(self, model: nn.Module, size: int, handoff: bool) -> None:
+        self.regions: list[nn.Module] = list(block_regions(model, size))
+        embedding = getattr(model, EMBEDDING, None)
+        self.embedding_compiles = embedding is not None and not (embedding._forward_pre_hooks
+                                                                  or embedding._forward_hooks)
+        if embedding is not None and self.regions:
+            self.regions.insert(0, EmbeddingRegion(embedding))
         self.receivers: list[list[nn.Module]] = [[] for _ in self.regions]
-        if handoff:
-            for i in range(1, len(self.regions)):
-                self.receivers[i] = handoff_receivers(self.regions[i])
-                self.regions[i - 1].handoff = HandoffGather(self.receivers[i])
+        for i in range(1, len(self.regions) if handoff else 0):
+            before = self.regions[i - 1]
+            if isinstance(before, EmbeddingRegion) and not self.embedding_compiles:
+                continue
+            self.receivers[i] = handoff_receivers(self.regions[i])
+            before.handoff = HandoffGather(self.receivers[i])
+
+    @property
+    def compiled(self) -> list[nn.Module]:
+        """The regions to compile: all but an embedding region that runs eagerly."""
+        return [r for r in self.regions if self.embedding_compiles or not isinstance(r, EmbeddingRegion)]
 
     def __call__(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
         handed: tuple[torch.Tensor, ...] = ()
@@ -140,14 +166,15 @@ def _holding(modules: Sequence[nn.Module], tensors: Sequence[torch.Tensor]) -> I
 
 
 def region_bucket_plan(blocks: int) -> list[list[str]]:
-    """The buckets of a region of ``blocks`` blocks, by module name inside the region: the embedding with the
-    first block's hand-off modules (empty in a region that is handed them; the first region, or every region
-    without a hand-off, gathers them itself), the rest of that block in two (``FIRST_BLOCK_BUCKETS``), the middle
-    blocks whole (as the whole-model plan), the last block but its w2, and its w2 (``LAST_BLOCK_BUCKETS``;
-    ``ONE_BLOCK_BUCKETS`` for one block) with the final norm and output (the last region's) and the hand-off of
-    the next region (every other one's). A name a region lacks (a shorter region, at the end of a depth or of a
-    pipeline stage that is not a multiple of ``blocks``; the embedding or head of a middle region) finds no
-    module: a shorter region's last bucket is whatever its last block's names find."""
+    """The buckets of a region of ``blocks`` blocks, by module name inside the region: the first block's
+    hand-off modules (none move in a region that is handed them; a region without a hand-off gathers them
+    itself), the rest of that block in two (``FIRST_BLOCK_BUCKETS``), the middle blocks whole (as the whole-model
+    plan), the last block but its w2, and its w2 (``LAST_BLOCK_BUCKETS``; ``ONE_BLOCK_BUCKETS`` for one block)
+    with the final norm and output (the last region's) or the next region's hand-off. The embedding's region
+    finds the embedding in the first bucket and its hand-off in the last. A name a region lacks (a shorter
+    region, at the end of a depth or of a pipeline stage that is not a multiple of ``blocks``; the embedding or
+    head of another region) finds no module: a shorter region's last bucket is whatever its last block's names
+    find."""
     def named(index: int, buckets: tuple[tuple[str, ...], ...]) -> list[list[str]]:
         return [[f"blocks.{index}.{name}" for name in bucket] for bucket in buckets]
 

@@ -32,9 +32,11 @@ from torch.distributed.tensor import DTensor, Shard
 
 from titan_simple.parallel.compile import transformer_block_plan
 from titan_simple.parallel.regions import (
-    HANDOFF_MODULES,
+    EMBEDDING,
+    HANDOFF,
     HEAD_BUCKET,
-    block_regions,
+    EmbeddingRegion,
+    RegionalForward,
     bucket_modules,
     region_bucket_plan,
 )
@@ -124,14 +126,16 @@ def _trace_part(part: nn.Module, stage: int | None, run: RunPlan, tracer: StepTr
 
 def _region_exposed_bytes(part: nn.Module, run: RunPlan) -> int:
     """``StageTrace.region_exposed_bytes`` of ``part`` in regions of ``run.compile.region_blocks`` blocks
-    (``parallel/regions.py``). Nothing in a region's graph hides its last bucket's backward re-gather (reshard
-    after forward only; the last region's last bucket holds the final norm and output too). Nothing hides the
-    first bucket's forward all-gather and gradient reduction either (the embedding's and the first block's
-    attention norm and q / k / v projections) where the region gathers it itself: the first region, or every
-    region without the hand-off (``CompilePlan.region_handoff``); with it, the region before gathers and reduces
-    them behind its own compute. A bucket's exposed collectives count by their share of its data-parallel
-    traffic, each weighed by its dtype's bytes: the all-gathers (none under replicate) in ``param_dtype``, the
-    reduction (reduce-scatter, all-reduce, or both under hybrid_shard: one share) in ``reduce_dtype``."""
+    (``parallel/regions.py``). Nothing hides the embedding region's traffic: its forward all-gathers and gradient
+    reductions, of the embedding and of the first block region's hand-off (the embedding's backward does not read
+    its weight, so it is not gathered again). Nothing hides each block region's last bucket's backward re-gather
+    either (reshard after forward only; the last region's last bucket holds the final norm and output too), nor
+    the first bucket's forward all-gather and gradient reduction (the first block's attention norm and q / k / v
+    projections) of a region that gathers it itself: every region without the hand-off
+    (``CompilePlan.region_handoff``), the first under tensor parallel. A bucket's exposed collectives count by
+    their share of its data-parallel traffic, each weighed by its dtype's bytes: the all-gathers (none under
+    replicate) in ``param_dtype``, the reduction (reduce-scatter, all-reduce, or both under hybrid_shard: one
+    share) in ``reduce_dtype``."""
     sharded = run.dims.data_parallel_mode != "replicate"
     gather = torch.finfo(run.precision.param_dtype).bits if sharded else 0
     regather = gather if run.parallel.reshard_after_forward else 0
@@ -142,32 +146,35 @@ def _region_exposed_bytes(part: nn.Module, run: RunPlan) -> int:
         return _local_bytes(param for module in modules for param in module.parameters())
 
     size = run.compile.region_blocks
-    regions = block_regions(part, size)
-    if not regions:  # the embedding, norm and output compile as graphs of their own
-        return nbytes(m for name in ("tok_embeddings", *HEAD_BUCKET) if (m := getattr(part, name, None)) is not None)
+    forward = RegionalForward(part, size, handoff=run.compile.region_handoff)
+    if not forward.regions:  # the embedding, norm and output compile as graphs of their own
+        return nbytes(m for name in (EMBEDDING, *HEAD_BUCKET) if (m := getattr(part, name, None)) is not None)
+    plan = [[name for name in names if name != HANDOFF] for names in region_bucket_plan(size)]
     exposed = 0.0
-    for index, region in enumerate(regions):
-        buckets = [modules for names in region_bucket_plan(size) if (modules := bucket_modules(region, names))]
-        handed = run.compile.region_handoff and index > 0
-        exposed += ((0 if handed else nbytes(buckets[0]) * (gather + reduce)) + nbytes(buckets[-1]) * regather
+    for index, (region, received) in enumerate(zip(forward.regions, forward.receivers, strict=True)):
+        if isinstance(region, EmbeddingRegion):  # the embedding, and the first block region's hand-off
+            handed_on = forward.receivers[index + 1]
+            exposed += nbytes([region.tok_embeddings, *handed_on]) * (gather + reduce) / per_bucket
+            continue
+        buckets = [modules for names in plan if (modules := bucket_modules(region, names))]
+        exposed += ((0 if received else nbytes(buckets[0]) * (gather + reduce)) + nbytes(buckets[-1]) * regather
                     ) / per_bucket
     return int(exposed)
 
 
 def _handoff_held_bytes(part: nn.Module, run: RunPlan) -> int:
-    """The weights the regional hand-off keeps unsharded from a region's forward to its backward: every region's
-    but the first, first block's attention norm and q / k / v projections (``regions.HANDOFF_MODULES``), dp
-    gathered, in ``param_dtype`` (a replicated weight is held as itself: nothing more)."""
+    """The weights the regional hand-off keeps unsharded from a region's forward to its backward: each handed
+    region's first block's attention norm and q / k / v projections (``regions.HANDOFF_MODULES``), dp gathered,
+    in ``param_dtype`` (a replicated weight is held as itself: nothing more)."""
     if not run.compile.region_handoff or run.dims.data_parallel_mode == "replicate":
         return 0
     itemsize = torch.finfo(run.precision.param_dtype).bits // 8
-    regions = block_regions(part, run.compile.region_blocks)
+    forward = RegionalForward(part, run.compile.region_blocks, handoff=True)
     held = 0
-    for region in regions[1:]:
-        for module in bucket_modules(region.blocks[0], HANDOFF_MODULES):
-            for param in module.parameters():
-                local = param.to_local() if isinstance(param, DTensor) else param
-                held += local.numel() * run.dims.dp_shard * itemsize
+    for module in (m for received in forward.receivers for m in received):
+        for param in module.parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            held += local.numel() * run.dims.dp_shard * itemsize
     return held
 
 
