@@ -168,6 +168,26 @@ def test_plan_decides_compile_loss_and_gather_modes_together(world, overrides, e
     assert run.without_compile().compile.mode == "off" and run.without_compile().loss == run.loss
 
 
+REGIONAL = ("--compile.enable", "--compile.regional")
+
+
+@pytest.mark.parametrize(("world", "overrides", "handoff"), [
+    (2, REGIONAL, True),  # fully_shard
+    (2, (*REGIONAL, "--parallelism.data_parallel_shard_degree=1", "--parallelism.data_parallel_replicate_degree=2"),
+     True),
+    (4, (*REGIONAL, "--parallelism.tensor_parallel_degree=2"), True),  # dp2 x tp2
+    (2, (*REGIONAL, "--parallelism.tensor_parallel_degree=2"), False),  # no data parallel: nothing to gather
+    (4, (*REGIONAL, "--parallelism.pipeline_parallel_degree=2", "--parallelism.fsdp_gather=per_microbatch"), False),
+    (2, (*REGIONAL, "--parallelism.fsdp_gather=once_per_step"), False),  # every weight held for the step already
+    (2, (*REGIONAL, "--compile.reorder=false"), False),  # it would hold weights and hide nothing
+    (2, ("--compile.enable",), False),  # whole-model compile
+])
+def test_regional_hand_off_where_it_can_hide_something(world, overrides, handoff):
+    """Regional compilation's hand-off (parallel/regions.py): each region gathers the next one's first weights,
+    only where SimpleFSDP gathers them per microbatch, reordered, in one pipeline stage."""
+    assert resolve_plan(_config(*overrides), world, "cpu").compile.region_handoff is handoff
+
+
 @pytest.mark.parametrize(("world", "overrides", "message"), [
     (3, ("--parallelism.tensor_parallel_degree=2",), "does not divide the world size 3"),
     (2, ("--training.global_batch_size=6",), "global_batch_size = 6 is not a multiple"),

@@ -117,6 +117,12 @@ def test_regional_compile_matches_single_process(ranks, reference, name):
     losses, norms = max_rel_diff(run["losses"], reference["losses"]), max_rel_diff(run["norms"], reference["norms"])
     print(f"{name}: largest relative difference from the reference: losses {losses:.1e}, norms {norms:.1e}")
     assert_parity(ranks, name, reference, COMPILED_RTOL, norm_rtol=SHARDED_NORM_RTOL)
+    # The hand-off runs with data parallel (replicate: it carries the all-reduce of those gradients), not without
+    # (tp2) nor across pipeline stages.
+    handoff = {"fully_shard": [False, True, True, True], "replicate": [False, True, True, True],
+               "tp2": [False] * 4, "interleaved_pp2": None}[name]
+    if handoff is not None:
+        assert run["handoff"] == handoff and run["held_after_training"] == 0
 
 
 @pytest.mark.slow

@@ -211,10 +211,11 @@ class Compile:
     )
     regional: bool = option(
         False, "Regional compilation: compile one region of regional_blocks transformer blocks and reuse its code "
-        "for every region (three codes: the first region also runs the embedding, the last the final norm and "
-        "output; the loss runs eagerly). Start-up time hardly grows with depth. Each region's collectives are "
-        "bucketed and reordered inside it, and without pipeline parallel each region gathers the next region's "
-        "first weights while its last block computes (docs/benchmarks.md, 'Compile time against depth')."
+        "for every region (three codes: the embedding's small region, the block regions, the last region, which "
+        "also runs the final norm and output; the loss runs eagerly). Start-up time hardly grows with depth. Each "
+        "region's collectives are bucketed and reordered inside it; without pipeline parallel, with reorder and "
+        "per-microbatch gathering, each region also gathers the next region's first weights while its last block "
+        "computes (docs/benchmarks.md, 'Compile time against depth')."
     )
     regional_blocks: int = option(
         2, "With regional = true: how many consecutive transformer blocks one compiled region holds. Inside a "

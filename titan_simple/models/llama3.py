@@ -363,8 +363,8 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {end} exceeds the KV cache's max_len {cache.max_len}")
         freqs_cis = self.freqs_cis[start:end]
         if cache is None and self.block_regions is not None:
-            # Regional compilation (parallel/regions.py): the compiled regions run the embedding, the blocks,
-            # the final norm and the output projection.
+            # Regional compilation (parallel/regions.py): the regions run the embedding, the blocks, the final
+            # norm and the output projection.
             return self.block_regions(tokens, freqs_cis)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():

@@ -123,26 +123,31 @@ def overlap_order(graph: fx.Graph) -> dict[fx.Node, list[fx.Node]]:
     return order
 
 
-def sink_last_reduce_scatter_waits(graph: fx.Graph) -> int:
-    """Move the waits of ``graph``'s last reduce-scatters (those waited after every reduce-scatter has started),
-    with everything that uses their results, to just before the output; return how many waits moved.
+def sink_last_reduce_scatter_waits(graph: fx.Graph, groups: set[str]) -> int:
+    """Move the waits of ``graph``'s last gradient reductions on the process groups ``groups`` (the data-parallel
+    ones: reduce-scatters, and all-reduces under replicate / hybrid_shard), those waited after every other such
+    reduction has started, with everything that uses their results, to just before the output; return how many
+    waits moved.
 
-    Inductor's manual overlap defers a reduce-scatter's wait past the next reduce-scatter's start, so the last
-    one has none to wait for: it is waited where it was issued. In a regional graph whose first weights were
-    handed in (``regions.py``) that last one is the first block's ``wo``, issued before the attention's backward
-    and the q / k / v projections' backward, which could hide it. Its results are graph outputs (the sharded
-    gradients, and their casts), which nothing else in the graph reads, so the move only lets that compute run
-    between the start and the wait (``overlap_order`` then pins it)."""
+    Inductor's manual overlap defers a reduction's wait past the next reduction's start, so the last one has none
+    to wait for: it is waited where it was issued. In a regional graph whose first weights were handed in
+    (``regions.py``) that last one is the first block's ``wo``, issued before the attention's backward and the
+    q / k / v projections' backward, which could hide it. Its results are graph outputs (the sharded gradients,
+    and their casts), so the move only lets that compute run between the start and the wait (``overlap_order``
+    then pins it). Tensor parallel's reduce-scatters (other groups) stay where they are."""
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    starts = [pos[n] for n in nodes if n.op == "call_function" and COLLECTIVE_KINDS.get(_target(n)) == "reduce_scatter"]
+
+    def reduction(node: fx.Node | None) -> bool:
+        return (node is not None and node.op == "call_function"
+                and COLLECTIVE_KINDS.get(_target(node)) in ("reduce_scatter", "all_reduce")
+                and str(_unwrap(node)[1][-1]) in groups)
+
+    starts = [pos[n] for n in nodes if reduction(n)]
     if not starts:
         return 0
-    waits = [
-        n for n in nodes[max(starts) + 1:]
-        if n.op == "call_function" and _target(n) is _c10d.wait_tensor.default
-        and (start := _collective_of_wait(n)) is not None and COLLECTIVE_KINDS[_target(start)] == "reduce_scatter"
-    ]
+    waits = [n for n in nodes[max(starts) + 1:] if n.op == "call_function"
+             and _target(n) is _c10d.wait_tensor.default and reduction(_collective_of_wait(n))]
     moving: set[fx.Node] = set()
     pending = list(waits)
     while pending:

@@ -66,7 +66,8 @@ from titan_simple.parallel.comm_plan import (
 )
 from titan_simple.parallel.compile_cache import comm_plan_store
 from titan_simple.parallel.cpu_cost_model import CpuRuntimeEstimator, cpu_roofline
-from titan_simple.parallel.regions import HEAD_BUCKET, RegionalForward, region_bucket_plan
+from titan_simple.parallel.regions import EMBEDDING, HEAD_BUCKET, RegionalForward, region_bucket_plan
+from titan_simple.parallel.simple_fsdp import data_parallel_group_names
 from titan_simple.parallel.torch_private import (
     CustomGraphPass,
     add_control_deps,
@@ -110,9 +111,11 @@ class _OverlapPass(CustomGraphPass):
     shapes cacheable (Inductor's FX graph cache, and so AOTAutograd's): on a cache hit the pass does not run,
     and the comm plan comes from the compile cache's copy (``compile_cache.py``)."""
 
-    def __init__(self, bucketing: str, plan, reorder: bool, cpu: bool, estimator, recorder: CommPlanRecorder):
+    def __init__(self, bucketing: str, plan, reorder: bool, cpu: bool, estimator, recorder: CommPlanRecorder,
+                 sink_groups: frozenset[str] = frozenset()):
         self.bucketing, self.plan, self.reorder, self.cpu = bucketing, plan, reorder, cpu
         self.estimator, self.recorder = estimator, recorder
+        self.sink_groups = sink_groups  # regional: whose last reduction's wait sinks (sink_last_reduce_scatter_waits)
 
     def uuid(self) -> str:
         """What decides the pass's output besides the graph: its settings, the source of every module that
@@ -120,6 +123,7 @@ class _OverlapPass(CustomGraphPass):
         run and only moves bucket boundaries (any bucketing computes the same values): only whether there is
         one enters the key."""
         settings = {"bucketing": self.bucketing, "plan": self.plan, "reorder": self.reorder, "cpu": self.cpu,
+                    "sink_groups": sorted(self.sink_groups),
                     "estimator": self.estimator is not None, "torch": torch.__version__}
         digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
         for path in _PASS_SOURCES:
@@ -144,9 +148,11 @@ class _OverlapPass(CustomGraphPass):
                 # the compute between its start and its wait": in a transformer block's graph (regional)
                 # Inductor then waited for both all-gathers before the attention compute, and fused the two
                 # norms' weight gradients, which delayed the feed-forward reduce-scatter to the block's end
-                # (measured). Pin that too, after letting the last reduce-scatter's wait sink to the graph's end
-                # (the manual overlap leaves it where it was issued: nothing after it to defer it past).
-                sink_last_reduce_scatter_waits(gm.graph)
+                # (measured). Pin that too; in a region's graph, after letting its last gradient reduction's wait
+                # sink to the graph's end (the manual overlap leaves it where it was issued: nothing after it to
+                # defer it past).
+                if self.sink_groups:
+                    sink_last_reduce_scatter_waits(gm.graph, set(self.sink_groups))
                 add_control_deps(gm.graph, overlap_order(gm.graph))
                 gm.recompile()
             else:
@@ -253,7 +259,7 @@ class CompilePlan:
             # A pipeline stage without blocks: its embedding, norm and output compile alone, or run eagerly under
             # tensor parallel (their layouts are forward hooks; compiled alone, the row-wise sharded embedding
             # fails DTensor's sharding propagation in torch 2.13).
-            for name in ("tok_embeddings", *HEAD_BUCKET):
+            for name in (EMBEDDING, *HEAD_BUCKET):
                 module = getattr(model, name, None)
                 if module is not None and not (module._forward_pre_hooks or module._forward_hooks):
                     self._compile_forward(module)
@@ -323,9 +329,10 @@ def compile_model(
     ``comm_plan.json`` / ``.txt`` go (rank 0). ``plan_root``: the submodule holding the transformer blocks when
     ``model`` wraps the model (plan entries are then prefixed with it). ``extra_options``: more Inductor settings
     for this compile (``CompilePlan.inductor_options``). ``fingerprint``: names these graphs for the comm
-    plan's copy in the compile cache (``compile_cache.py``). ``modules``: compile these modules (the ``BlockRegion``s of
-    ``model``'s blocks: one code for all of them, regional compilation) instead of ``model`` itself;
-    ``manual_plan`` then names modules inside one of them. The recorder is also left on ``model`` as
+    plan's copy in the compile cache (``compile_cache.py``). ``modules``: compile these modules (the regions of
+    ``regions.py``: one code for every region of a shape, regional compilation) instead of ``model`` itself;
+    ``manual_plan`` then names modules inside a region, and each graph's last gradient reduction waits at its
+    end (``sink_last_reduce_scatter_waits``). The recorder is also left on ``model`` as
     ``comm_plan_recorder`` (``comm_plan_recorders`` finds it). Must be called on every rank (the CPU estimator
     calibrates with collectives).
     """
@@ -371,7 +378,9 @@ def compile_model(
         )
     settings = {"bucketing": bucketing, "reorder": reorder, "plan": plan}
     recorder = CommPlanRecorder(dump_folder, settings)
-    overlap_pass = _OverlapPass(bucketing, plan, reorder, cpu, estimator, recorder)
+    # Regional compilation (modules=...): a region's last gradient reduction can wait at its graph's end.
+    sink_groups = frozenset(data_parallel_group_names(model)) if modules is not None and reorder else frozenset()
+    overlap_pass = _OverlapPass(bucketing, plan, reorder, cpu, estimator, recorder, sink_groups)
     if fingerprint:
         rank = dist.get_rank() if dist.is_initialized() else 0
         recorder.store = comm_plan_store(fingerprint, overlap_pass.uuid(), rank)

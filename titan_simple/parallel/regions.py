@@ -47,6 +47,7 @@ EMBEDDING = "tok_embeddings"
 # bucket: their all-gathers run while the rest of the last block computes, their reductions during its backward.
 HEAD_BUCKET: tuple[str, ...] = ("norm", "output")
 HANDOFF = "handoff"
+Handed = tuple[torch.Tensor, ...]  # what a region hands the next: its first modules' weights, gathered
 
 
 class HandoffGather(nn.Module):
@@ -57,7 +58,7 @@ class HandoffGather(nn.Module):
         super().__init__()
         self.receivers = nn.ModuleList(receivers)
 
-    def forward(self) -> tuple[torch.Tensor, ...]:
+    def forward(self) -> Handed:
         return tuple(t for module in self.receivers for t in gather_unsharded(module).values())
 
 
@@ -70,7 +71,8 @@ class EmbeddingRegion(nn.Module):
         self.tok_embeddings = tok_embeddings
         self.handoff: HandoffGather | None = None
 
-    def forward(self, tokens: torch.Tensor, freqs_cis: torch.Tensor):
+    def forward(self, tokens: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, Handed]:
+        # freqs_cis is unused: every region takes the same arguments (RegionalForward calls them alike).
         h = self.tok_embeddings(tokens)
         return h if self.handoff is None else (h, self.handoff())
 
@@ -88,7 +90,7 @@ class BlockRegion(nn.Module):
         self.output: nn.Module | None = None
         self.handoff: HandoffGather | None = None
 
-    def forward(self, h: torch.Tensor, freqs_cis: torch.Tensor):
+    def forward(self, h: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, Handed]:
         for block in self.blocks:
             h = block(h, freqs_cis)
         if self.norm is not None:
@@ -119,7 +121,7 @@ class RegionalForward:
     block regions. With ``handoff`` each region's gathered hand-off is held by the next region's first modules
     while that region runs. The embedding's region runs eagerly where its layouts are forward hooks (tensor
     parallel: compiled alone, the row-wise sharded embedding fails DTensor's sharding propagation in torch 2.13);
-    the first block region then gathers its first weights itself (a code of its own)."""
+    the first block region then gathers its first weights itself (a code of its own, in place of the embedding's)."""
 
     def __init__(self, model: nn.Module, size: int, handoff: bool) -> None:
         self.regions: list[nn.Module] = list(block_regions(model, size))
@@ -129,7 +131,9 @@ class RegionalForward:
         if embedding is not None and self.regions:
             self.regions.insert(0, EmbeddingRegion(embedding))
         self.receivers: list[list[nn.Module]] = [[] for _ in self.regions]
-        for i in range(1, len(self.regions) if handoff else 0):
+        if not handoff:
+            return
+        for i in range(1, len(self.regions)):
             before = self.regions[i - 1]
             if isinstance(before, EmbeddingRegion) and not self.embedding_compiles:
                 continue
@@ -142,7 +146,7 @@ class RegionalForward:
         return [r for r in self.regions if self.embedding_compiles or not isinstance(r, EmbeddingRegion)]
 
     def __call__(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-        handed: tuple[torch.Tensor, ...] = ()
+        handed: Handed = ()
         for region, receivers in zip(self.regions, self.receivers, strict=True):
             with _holding(receivers, handed):
                 out = region(x, freqs_cis)
@@ -157,7 +161,9 @@ def _holding(modules: Sequence[nn.Module], tensors: Sequence[torch.Tensor]) -> I
     the call."""
     values = iter(tensors)
     for module in modules:
+        assert module._held_unsharded is None, "a module is held twice (regional hand-off and step_gather?)"
         module._held_unsharded = {name: next(values) for name in module._gather_specs}
+    assert next(values, None) is None, "the hand-off gathered more weights than the next region reads"
     try:
         yield
     finally:

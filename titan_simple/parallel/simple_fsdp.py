@@ -90,6 +90,13 @@ def _unshard(param: DTensor, spec: _GatherSpec) -> torch.Tensor:
     return unsharded.to_local(grad_placements=(Partial("sum"),) * dp + spec.tp_placements)
 
 
+def data_parallel_group_names(model: nn.Module) -> set[str]:
+    """The names of the process groups ``model``'s SimpleFSDP parameters are gathered and reduced over (what a
+    compiled graph's data-parallel collectives name as their group)."""
+    return {spec.dp_mesh.get_group(dim).group_name for module in model.modules()
+            for spec in getattr(module, "_gather_specs", {}).values() for dim in range(spec.dp_mesh.ndim)}
+
+
 def gather_unsharded(module: nn.Module) -> dict[str, torch.Tensor]:
     """``module``'s parameters all-gathered now, in the form ``module._held_unsharded`` takes (dp-unsharded local
     tensors in ``param_dtype`` whose backward reduces the gradient): for a caller that gathers them ahead of the
@@ -132,7 +139,8 @@ def _gathered_property(name: str) -> property:
         param = self._parameters[name]
         if param is None or not _GATHER_ENABLED:
             return param
-        if self._held_unsharded is not None:  # gathered once for the whole step (step_gather.py)
+        if self._held_unsharded is not None:  # gathered ahead: once per step (step_gather.py), or by the
+            # region before (regional compilation's hand-off, regions.py)
             return _for_compute(self._held_unsharded[name], param, self._gather_specs[name])
         return _gather(param, self._gather_specs[name])
 
@@ -148,7 +156,8 @@ def _parametrize(module: nn.Module, specs: dict[str, _GatherSpec]) -> None:
     key = (type(module), tuple(sorted(specs)))
     if key not in _PARAMETRIZED_CLASSES:
         attrs: dict = {name: _gathered_property(name) for name in key[1]}
-        attrs["_held_unsharded"] = None  # {name: unsharded local tensor} while step_gather holds them
+        # {name: unsharded local tensor} while step_gather or a regional hand-off holds them
+        attrs["_held_unsharded"] = None
         _PARAMETRIZED_CLASSES[key] = type(type(module).__name__, (type(module),), attrs)
     module._gather_specs = specs
     module.__class__ = _PARAMETRIZED_CLASSES[key]

@@ -63,7 +63,8 @@ class StageTrace:
     buckets: int  # compile bucketing "transformer_block": one per block, embedding, [norm, output]
     parameter_tensors: int
     # Regional compilation: the parameter bytes whose collectives no compute of their graph hides, in bytes of
-    # whole buckets' traffic (the embedding; each region's first and last buckets, ``_region_exposed_bytes``).
+    # whole buckets' traffic (the embedding's region; each region's last bucket, and its first where it gathers it
+    # itself; ``_region_exposed_bytes``).
     region_exposed_bytes: int = 0
     # Regional compilation's hand-off: the weights held unsharded from a region's forward to its backward
     # (``_handoff_held_bytes``; included in ``activation_bytes`` and ``peak_bytes``).
@@ -168,6 +169,8 @@ def _handoff_held_bytes(part: nn.Module, run: RunPlan) -> int:
     in ``param_dtype`` (a replicated weight is held as itself: nothing more)."""
     if not run.compile.region_handoff or run.dims.data_parallel_mode == "replicate":
         return 0
+    if not run.parallel.reshard_after_forward and run.parallel.ac_mode == "none":
+        return 0  # the blocks save their gathered weights for backward anyway: the trace counts them already
     itemsize = torch.finfo(run.precision.param_dtype).bits // 8
     forward = RegionalForward(part, run.compile.region_blocks, handoff=True)
     held = 0

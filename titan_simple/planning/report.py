@@ -158,7 +158,7 @@ def comm_overlapped(run: RunPlan) -> bool:
 def exposed_dp_floor(run: RunPlan, trace: RankTrace, dp_comm_s: float) -> float:
     """The data-parallel seconds no compute can hide even when overlapped: one bucket's in one graph; under
     regional compilation what has nothing of its own graph to run behind, by its share of the parameter bytes
-    (``StageTrace.region_exposed_bytes``: the embedding's graph, the ends of each region's graph)."""
+    (``StageTrace.region_exposed_bytes``: the embedding's region, what each block region cannot hide)."""
     if run.compile.mode == "regional":
         return dp_comm_s * sum(part.region_exposed_bytes for part in trace.parts) / max(trace.parameter_bytes, 1)
     return dp_comm_s / sum(part.buckets for part in trace.parts)
@@ -381,8 +381,7 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
             "activations_per_microbatch": kept,
             "regional_handoff": max(part.handoff_held_bytes for part in trace.parts),  # within the activations
             "transient": transient,
-            "peak": peak,
-            "reserved": reserved,
+            "peak": peak, "reserved": reserved,
             "device_total": device_total,
             "device": spec.memory_bytes,
         },

@@ -186,10 +186,11 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
         reorder=compile_config.reorder, dump_folder=config.job.dump_folder,
         region_blocks=compile_config.regional_blocks if compile_mode == "regional" else 1,
         # Each region gathers the next one's first weights (parallel/regions.py): only where SimpleFSDP gathers
-        # them per microbatch (gathering once per step holds every weight already) and the regions are one model
-        # (a pipeline stage's last region has no next one on its rank).
-        region_handoff=(compile_mode == "regional" and dims.dp_enabled and dims.pp == 1
-                        and gather == "per_microbatch"),
+        # them per microbatch (gathering once per step holds every weight already), the regions are one model
+        # (a pipeline stage's last region has no next one on its rank) and the collectives are reordered
+        # (without, the hand-off would hold weights and hide nothing).
+        region_handoff=(compile_mode == "regional" and dims.dp_enabled and dims.pp == 1 and gather == "per_microbatch"
+                        and (compile_config.reorder or compile_config.bucketing == "auto")),
         async_tensor_parallel=choose_async_tensor_parallel(config, dims, device_type),
         cache_dir=compile_cache_folder(config),
     )
