@@ -15,8 +15,9 @@ clipping active) through the trainer's own build and step, with the default 2 bl
   region overlapped, the wo one behind the attention's backward. Inductor's generated code keeps that overlap
   (compute kernels between a collective's start and its wait): the order our pass pins with control
   dependencies (``comm_plan.overlap_order``).
-* Tensor parallel over the 2 ranks (sequence parallel, loss parallel), compiled regionally, matches too; so does
-  replicate (the hand-off then carries the all-reduce of those gradients).
+* Replicate over the 2 ranks, compiled regionally, matches too (the hand-off then carries the all-reduce of
+  those gradients). Tensor parallel with data parallel compiled regionally: tests/test_tensor_parallel.py
+  (dp2 x tp2, 4 ranks).
 * An Interleaved1F1B pipeline (2 stages per rank, of 2 and 1 blocks) compiled regionally: both stages of a rank
   share the first stage's compile and comm plan (one graph per region shape), and the losses match the
   reference.
@@ -42,8 +43,6 @@ from titan_simple.parallel.regions import EMBEDDING, HANDOFF, bucket_modules, re
 REGIONAL = ("--compile.enable", "--compile.regional")
 CONFIGS = {
     "fully_shard": ("--parallelism.data_parallel_shard_degree=2", "--training.local_batch_size=4", *REGIONAL),
-    "tp2": ("--parallelism.data_parallel_shard_degree=1", "--parallelism.tensor_parallel_degree=2",
-            "--training.local_batch_size=8", *REGIONAL),
     "replicate": ("--parallelism.data_parallel_shard_degree=1", "--parallelism.data_parallel_replicate_degree=2",
                   "--training.local_batch_size=4", *REGIONAL),
     "interleaved_pp2": ("--parallelism.data_parallel_shard_degree=1", "--parallelism.pipeline_parallel_degree=2",
@@ -117,10 +116,10 @@ def test_regional_compile_matches_single_process(ranks, reference, name):
     losses, norms = max_rel_diff(run["losses"], reference["losses"]), max_rel_diff(run["norms"], reference["norms"])
     print(f"{name}: largest relative difference from the reference: losses {losses:.1e}, norms {norms:.1e}")
     assert_parity(ranks, name, reference, COMPILED_RTOL, norm_rtol=SHARDED_NORM_RTOL)
-    # The hand-off runs with data parallel (replicate: it carries the all-reduce of those gradients), not without
-    # (tp2) nor across pipeline stages.
+    # The hand-off runs with data parallel (replicate: it carries the all-reduce of those gradients), not across
+    # pipeline stages.
     handoff = {"fully_shard": [False, True, True, True], "replicate": [False, True, True, True],
-               "tp2": [False] * 4, "interleaved_pp2": None}[name]
+               "interleaved_pp2": None}[name]
     if handoff is not None:
         assert run["handoff"] == handoff and run["held_after_training"] == 0
 
