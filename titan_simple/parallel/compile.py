@@ -74,8 +74,8 @@ from titan_simple.parallel.torch_private import (
     async_tensor_parallel_options,
     manual_bucketing_only,
     manual_overlap_bucketing,
+    prepare_compile,
     schedule_overlap_bucketing,
-    silence_unactionable_compile_warnings,
 )
 
 logger = logging.getLogger(__name__)
@@ -286,7 +286,7 @@ class CompilePlan:
         own modules (``nn.Embedding``, ``nn.Linear``, ...) when their ``_call_impl`` is compiled directly
         ("found no compiled frames"), but inlines them from ours. Forward hooks would stay outside."""
         options = self.inductor_options()
-        silence_unactionable_compile_warnings()
+        prepare_compile()
         compiled = torch.compile(_forward_of, backend=self.backend, fullgraph=True,
                                  **({"options": options} if options else {}))
         module.forward = functools.partial(compiled, module)
@@ -295,7 +295,7 @@ class CompilePlan:
         """Compile one transformer block in place (``per_block`` mode): no collective passes, only the
         graph-independent options."""
         options = self.inductor_options()
-        silence_unactionable_compile_warnings()
+        prepare_compile()
         block.compile(backend=self.backend, fullgraph=True, **({"options": options} if options else {}))
 
 
@@ -338,7 +338,7 @@ def compile_model(
     """
     if bucketing not in BUCKETING_MODES:
         raise ValueError(f"compile_model: bucketing must be one of {BUCKETING_MODES}, got {bucketing!r}.")
-    silence_unactionable_compile_warnings()
+    prepare_compile()
     if backend != "inductor":
         if bucketing != "none" or reorder or manual_plan:
             warnings.warn(

@@ -15,17 +15,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import warnings
 
 import torch
 import torch._functorch.config as functorch_config
+import torch._functorch.partitioners as partitioners
 import torch._inductor.config as inductor_config
 import torch._ops
+import torch._prims.rng_prims as rng_prims
 import torch.distributed._symmetric_memory as symmetric_memory
 import torch.distributed.tensor.placement_types as placement_types
 import torch.utils._pytree as pytree
 import torch.utils._runtime_estimation as runtime_estimation
 from torch._dynamo.utils import counters
+from torch._functorch._aot_autograd import graph_compile
 from torch._inductor import custom_graph_pass
 from torch._inductor import utils as inductor_utils
 from torch._inductor.fx_passes import (
@@ -114,6 +118,11 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
      "async_tensor_parallel_matches: whether a gathered activation feeds a matmul"),
     (micro_pipeline_tp, "_find_producer_matmul",
      "async_tensor_parallel_matches: whether a reduce-scatter's input is a matmul's output"),
+    (partitioners, "functionalize_rng_ops",
+     "prepare_compile: wrapped to put recomputed ops' RNG states before the saved DeviceMesh (torch bug)"),
+    (graph_compile, "is_opaque_node",
+     "prepare_compile: tells a saved opaque object (a DTensor's DeviceMesh) from a saved tensor"),
+    (rng_prims, "run_and_save_rng_state", "prepare_compile: marks the RNG states functionalize_rng_ops saves"),
 )
 
 
@@ -199,7 +208,14 @@ _CHECKPOINT_MESSAGES = ("Detected that context_fn is passed to torch.utils.check
 _COMPLEX_OPS_WARNING = "Torchinductor does not support code generation for complex operators"
 
 
-def silence_unactionable_compile_warnings() -> None:
+def prepare_compile() -> None:
+    """What every ``torch.compile`` of ours needs first (idempotent): the fix of torch's RNG functionalization
+    below, and a quiet start."""
+    _fix_rng_functionalization_with_opaque_saved_values()
+    _silence_unactionable_compile_warnings()
+
+
+def _silence_unactionable_compile_warnings() -> None:
     """Drop the two messages above (idempotent); every other torch warning still reaches the user."""
     checkpoint_logger = logging.getLogger(_CHECKPOINT_LOGGER)
     if not any(isinstance(f, _DropMessages) for f in checkpoint_logger.filters):
@@ -233,3 +249,57 @@ def async_tensor_parallel_matches(graph: torch.fx.Graph) -> tuple[int, int]:
     reduces = [m for m in micro_pipeline_tp.find_reduce_scatter_patterns(graph)
                if micro_pipeline_tp._find_producer_matmul(m.input_node) is not None]
     return len(gathers), len(reduces)
+
+
+# --- torch bug: RNG states of recomputed ops land after the saved DeviceMesh ---------------------------------
+# Activation checkpointing under compile recomputes ops in backward; for an op tagged ``nondeterministic_seeded``
+# (``scaled_dot_product_attention`` is, even with dropout 0) the partitioner's ``functionalize_rng_ops`` makes the
+# forward save the RNG state and the backward replay it. On devices without graph-safe RNG (CPU; CUDA takes
+# another branch that adds graph inputs, not outputs) it appends each state to the forward's outputs "before the
+# symints", and each backward placeholder before the first tangent. But torch 2.13 also saves opaque objects
+# there: a DTensor parameter's DeviceMesh, which the backward needs to return DTensor gradients. The states then
+# sit after the mesh, the runtime slices the saved tensors by count, and the first compiled step fails with
+# "expected all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh" (full AC and every-N-th-block AC
+# with SimpleFSDP, issue 30; scripts/repro_rng_state_after_device_mesh.py). The wrapper moves the states in front
+# of the opaque objects, in both graphs, where the runtime expects them.
+_original_functionalize_rng_ops = partitioners.functionalize_rng_ops
+
+
+def _is_saved_rng_state(node: torch.fx.Node) -> bool:
+    return (node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0
+            and getattr(node.args[0], "target", None) is rng_prims.run_and_save_rng_state)
+
+
+def _rng_states_before_opaque(seq: list, is_state) -> list:
+    """``seq`` with its states (``is_state``) moved in front of the run of opaque objects right before them."""
+    states = [n for n in seq if is_state(n)]
+    if not states:
+        return seq
+    rest = [n for n in seq if not is_state(n)]
+    at = seq.index(states[0])  # nothing before the first state is a state
+    while at > 0 and graph_compile.is_opaque_node(rest[at - 1]):
+        at -= 1
+    return rest[:at] + states + rest[at:]
+
+
+def _functionalize_rng_ops_before_opaque(joint_module, fw_module, bw_module, num_sym_nodes, *args, **kwargs):
+    fw_module, bw_module = _original_functionalize_rng_ops(joint_module, fw_module, bw_module, num_sym_nodes,
+                                                           *args, **kwargs)
+    output = next(iter(fw_module.graph.find_nodes(op="output")))
+    outputs = list(output.args[0])
+    body, symints = outputs[:len(outputs) - num_sym_nodes], outputs[len(outputs) - num_sym_nodes:]
+    fixed = _rng_states_before_opaque(body, lambda n: isinstance(n, torch.fx.Node) and _is_saved_rng_state(n))
+    if fixed != body:
+        output.args = (tuple(fixed + symints), *output.args[1:])
+        placeholders = list(bw_module.graph.find_nodes(op="placeholder"))
+        ordered = _rng_states_before_opaque(placeholders, lambda n: n.name.startswith("rng_state_output_"))
+        first_non_placeholder = next(n for n in bw_module.graph.nodes if n.op != "placeholder")
+        for node in ordered:  # the placeholders again, in the new order
+            first_non_placeholder.prepend(node)
+        fw_module.recompile()
+        bw_module.recompile()
+    return fw_module, bw_module
+
+
+def _fix_rng_functionalization_with_opaque_saved_values() -> None:
+    partitioners.functionalize_rng_ops = _functionalize_rng_ops_before_opaque
