@@ -1,15 +1,17 @@
-"""Reproduce torch 2.13's failure to compile whole pipeline stages with tensor parallel inside when a pp rank
-runs two stages (Interleaved1F1B), the reason ``train/plan.choose_compile_mode`` compiles such stages block by
-block (docs/parallelism.md).
+"""Reproduce torch 2.13's failure to compile pipeline stages with tensor parallel inside when the stage's received
+activations and its parameters live on equal but distinct ``tp`` mesh objects, and show that titan_simple's one
+mesh object per world (``parallel/dims.tensor_parallel_mesh``) makes them compile and train (issue 30).
 
-    python scripts/repro_tp_pp_whole_stage_compile.py                       # Interleaved1F1B: fails
-    python scripts/repro_tp_pp_whole_stage_compile.py --schedule 1F1B       # one stage per rank: trains
+    python scripts/repro_tp_pp_whole_stage_compile.py                     # titan_simple as it is: trains
+    python scripts/repro_tp_pp_whole_stage_compile.py --fresh-mesh        # a new tp slice per lookup: fails
+    python scripts/repro_tp_pp_whole_stage_compile.py --schedule 1F1B --fresh-mesh
 
-Four gloo processes (tp2 x pp2) build the debug model through the trainer's own build with the per-block rule
-switched off, and run one training step. Prints ``ok`` and the loss, or the compiler's error (torch 2.13:
-"AssertionError: Node tangents_2 was invalid, but is output" from AOTAutograd's min-cut partitioner while the
-schedule infers the shapes of a middle stage; with ``--disable-loss-parallel`` instead "device_mesh._get_submesh
-is not an OpOverload" from Inductor).
+Four gloo processes (tp2 x pp2) build the debug model through the trainer's own build, every stage compiled whole,
+and run one training step. Prints the loss on every rank, or the compiler's error: with ``--fresh-mesh`` the
+pipeline's ``get_mesh`` returns ``world["tp"]`` (a new, equal DeviceMesh per call, as before the fix), and
+AOTAutograd's partitioner fails while the schedule infers a receiving stage's shapes ("AssertionError: Node
+tangents_2 was invalid, but is output"; Interleaved1F1B, where a rank runs two stages). The upstream report text
+is in docs/research/upstream_rng_state_after_opaque.md (section 2).
 """
 
 from __future__ import annotations
@@ -23,12 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 
-def one_step(rank: int, world_size: int, schedule: str, loss_parallel: bool) -> str:
+def one_step(rank: int, world_size: int, schedule: str, loss_parallel: bool, fresh_mesh: bool) -> str:
     from tests.parity import Recipe, build_layout
-    from titan_simple.train import plan
+    from titan_simple.parallel import pipeline
 
-    # The plan's rule compiles such stages block by block; take it out: every stage compiles whole.
-    plan.choose_compile_mode = lambda config, dims, reasons=None: "whole"
+    if fresh_mesh:  # the stages' received activations on a new slice of the world mesh per lookup
+        pipeline._named_mesh = lambda mesh, names: mesh[names]
     recipe = Recipe(global_batch=8)
     overrides = ["--parallelism.tensor_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2",
                  f"--parallelism.pipeline_parallel_schedule={schedule}", "--training.local_batch_size=8",
@@ -47,10 +49,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedule", default="Interleaved1F1B", choices=("Interleaved1F1B", "1F1B"))
     parser.add_argument("--disable-loss-parallel", action="store_true")
+    parser.add_argument("--fresh-mesh", action="store_true", help="a new tp mesh object per lookup (fails)")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, tp2 x pp2, {args.schedule}, whole-stage compile")
+    mesh = "a fresh tp mesh per lookup" if args.fresh_mesh else "one tp mesh object"
+    print(f"torch {torch.__version__}, tp2 x pp2, {args.schedule}, whole-stage compile, {mesh}")
     try:
-        results = run_on_ranks(one_step, 4, args=(args.schedule, not args.disable_loss_parallel))
+        results = run_on_ranks(one_step, 4, args=(args.schedule, not args.disable_loss_parallel, args.fresh_mesh))
     except RankFailed as failure:  # the compiler's error, and the peers that lost their connection to it
         lines = str(failure).splitlines()
         print("\n".join(line for line in lines if line.startswith("---") or "Error:" in line))

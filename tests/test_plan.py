@@ -157,7 +157,7 @@ def test_plan_of_the_default_job_says_what_runs_and_why():
     (4, ("--compile.enable", "--parallelism.pipeline_parallel_degree=2"), ("whole", False, False, "once_per_step")),
     (4, ("--compile.enable", "--parallelism.pipeline_parallel_degree=2", "--parallelism.tensor_parallel_degree=2",
          "--parallelism.pipeline_parallel_schedule=Interleaved1F1B", "--training.local_batch_size=4"),
-     ("per_block", True, False, "per_microbatch")),
+     ("whole", True, False, "per_microbatch")),
     (2, ("--compile.enable", "--parallelism.fsdp_implementation=fsdp2"), ("per_block", False, True, "per_microbatch")),
 ])
 def test_plan_decides_compile_loss_and_gather_modes_together(world, overrides, expected):

@@ -130,6 +130,21 @@ def validate_parallelism(dims: ParallelDims, model_args: ModelArgs, config: JobC
         )
 
 
+def tensor_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """``mesh["tp"]``, the same object at every call for one world mesh. Each slice is a new DeviceMesh, equal to
+    the others, and torch 2.13's compiler does not tell equal meshes apart: a compiled block whose DTensor input
+    lives on one ``tp`` object (a pipeline stage's received activation) and whose parameters on another mixes up
+    their placeholders ("Node tangents_2 was invalid, but is output", issue 30). So tensor parallel and the
+    pipeline's received activations use this one object."""
+    world, tp = _TENSOR_PARALLEL_MESHES.get(id(mesh), (None, None))
+    if world is not mesh:
+        world, tp = _TENSOR_PARALLEL_MESHES[id(mesh)] = (mesh, mesh["tp"])  # holds the world: its id stays its own
+    return tp
+
+
+_TENSOR_PARALLEL_MESHES: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}
+
+
 def dp_mesh(mesh: DeviceMesh | None, dims: ParallelDims) -> DeviceMesh | None:
     """The data-parallel sub-mesh SimpleFSDP shards over: (dp_replicate, dp_shard), one of them, or None."""
     if mesh is None:

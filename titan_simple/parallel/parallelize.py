@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_simple.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_simple.parallel.compile import CompilePlan
-from titan_simple.parallel.dims import ParallelDims, dp_mesh
+from titan_simple.parallel.dims import ParallelDims, dp_mesh, tensor_parallel_mesh
 from titan_simple.parallel.fsdp2 import apply_fsdp2
 from titan_simple.parallel.simple_fsdp import MixedPrecisionPolicy, data_parallel
 from titan_simple.parallel.tensor_parallel import apply_tensor_parallel, keep_gradient_layouts
@@ -48,10 +48,10 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh | None, plan: ParallelP
     with its loss); per-block compilation is done here."""
     dims = plan.dims
     if dims.tp > 1:
-        apply_tensor_parallel(model, mesh["tp"], loss_parallel=plan.loss_parallel)
+        apply_tensor_parallel(model, tensor_parallel_mesh(mesh), loss_parallel=plan.loss_parallel)
         if plan.compile.async_tensor_parallel:
             # Inductor fuses a TP collective with its matmul only on groups with symmetric memory enabled.
-            enable_symmetric_memory(mesh["tp"].get_group().group_name)
+            enable_symmetric_memory(tensor_parallel_mesh(mesh).get_group().group_name)
         if not dims.dp_enabled:
             keep_gradient_layouts(model)  # the data-parallel wrappers would otherwise do it
 

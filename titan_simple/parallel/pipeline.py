@@ -55,6 +55,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from titan_simple.config import JobConfig
 from titan_simple.errors import ConfigError
+from titan_simple.parallel.dims import tensor_parallel_mesh
 from titan_simple.parallel.parallelize import ParallelPlan, parallelize_llama
 from titan_simple.parallel.sharded_init import materialize_and_init
 from titan_simple.parallel.torch_private import no_donated_buffers
@@ -291,6 +292,10 @@ class PipelineRun:
                 f"{local}; {plan.n_microbatches} microbatches per local batch")
 
 
+def _named_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    return tensor_parallel_mesh(mesh) if tuple(names) == ("tp",) else mesh[names]
+
+
 def build_pipeline(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -315,7 +320,8 @@ def build_pipeline(
             materialize_and_init(part, device, seed)
         parts.append(part)
         # get_mesh: the stage's first step infers the shapes of what it sends and receives; DTensor
-        # activations (tensor parallel) name their mesh, which the receiving stage looks up in ours.
+        # activations (tensor parallel) name their mesh, which the receiving stage looks up in ours: the very
+        # mesh object its parameters use (dims.tensor_parallel_mesh says why).
         stages.append(PipelineStage(part, stage_index, plan.num_stages, device, group=pp_mesh.get_group(),
-                                    get_mesh=lambda names, _layout: mesh[names]))
+                                    get_mesh=lambda names, _layout: _named_mesh(mesh, names)))
     return PipelineRun(plan, parts, stages, pp_mesh.get_group(), loss_fn)

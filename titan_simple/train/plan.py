@@ -35,7 +35,7 @@ from titan_simple.models.llama3 import LLAMA3_FLAVORS, ModelArgs, build_model
 from titan_simple.parallel.compile import CompilePlan
 from titan_simple.parallel.dims import ParallelDims, validate_parallelism
 from titan_simple.parallel.parallelize import ParallelPlan
-from titan_simple.parallel.pipeline import SINGLE_STAGE_SCHEDULES, ZERO_BUBBLE_SCHEDULES, PipelinePlan, plan_pipeline
+from titan_simple.parallel.pipeline import ZERO_BUBBLE_SCHEDULES, PipelinePlan, plan_pipeline
 from titan_simple.train.batching import accumulation_steps
 from titan_simple.train.loss import LossPlan
 
@@ -366,11 +366,10 @@ def choose_compile_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str
     """``off``, ``per_block``, ``regional``, ``whole`` or ``whole_with_loss`` (``parallel/compile.CompilePlan``).
 
     Each transformer block compiles on its own with FSDP2, whose hooks break a whole-model graph (fullgraph
-    fails in torch 2.13); under the zero-bubble pipeline schedules, whose split backward gives wrong weight
-    gradients through a whole compiled stage (measured: some are 0); and for tensor parallel inside pipeline
-    stages when a pp rank runs several of them (Interleaved1F1B, LoopedBFS): torch 2.13 fails to compile them
-    (AOTAutograd's partitioner: "Node tangents_2 was invalid, but is output";
-    scripts/repro_tp_pp_whole_stage_compile.py). With one stage per rank (GPipe, 1F1B) TP stages compile whole.
+    fails in torch 2.13); and under the zero-bubble pipeline schedules, whose split backward gives wrong weight
+    gradients through a whole compiled stage (measured: some are 0). Tensor parallel inside pipeline stages
+    compiles whole with every other schedule: a rank running several stages failed to until each rank used one
+    ``tp`` mesh object (``dims.tensor_parallel_mesh``; scripts/repro_tp_pp_whole_stage_compile.py).
     ``[compile] regional`` asks for one compiled code for every region of ``regional_blocks`` blocks (SimpleFSDP
     layouts that would compile whole; the loss then runs eagerly).
     The loss compiles with the model (one graph: Inductor fuses the fp32 cross-entropy) without pipeline
@@ -385,8 +384,6 @@ def choose_compile_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str
         per_block_because = "FSDP2's hooks break a whole-model graph"
     elif dims.pp > 1 and schedule in ZERO_BUBBLE_SCHEDULES:
         per_block_because = f"{schedule} splits the backward"
-    elif dims.pp > 1 and dims.tp > 1 and schedule not in SINGLE_STAGE_SCHEDULES:
-        per_block_because = "torch 2.13 cannot compile TP stages of multi-stage schedules whole"
     if per_block_because is not None:
         if reasons is not None:
             reasons["compile"] = per_block_because
@@ -394,7 +391,7 @@ def choose_compile_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str
         if (compile_config.bucketing, compile_config.reorder) != (defaults.bucketing, defaults.reorder):
             logger.warning(
                 "[compile] bucketing = %r, reorder = %s ignored: this layout compiles each transformer block on "
-                "its own (FSDP2, tensor parallel inside a pipeline stage, or a zero-bubble schedule), so there is "
+                "its own (FSDP2 or a zero-bubble schedule), so there is "
                 "no whole-step graph to bucket or reorder.", compile_config.bucketing, compile_config.reorder,
             )
         return "per_block"
