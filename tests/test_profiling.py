@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import pickle
+import re
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -16,8 +21,11 @@ from tests.distributed_utils import run_on_ranks
 from titan_simple.config import Profiling, load_job_config
 from titan_simple.errors import ConfigError
 from titan_simple.train import profiling
+from titan_simple.train.plan import resolve_plan
 from titan_simple.train.profiling import Profiler
 from titan_simple.train.trainer import Trainer
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def read_trace(path: Path) -> list[dict]:
@@ -157,3 +165,93 @@ def test_each_rank_writes_its_trace_every_profile_freq_steps(tmp_path):
         # 2 active steps per recording (profiler steps 1-2 and 4-5), with the layers and the collective:
         assert {"aten::addmm", "aten::gelu", "gloo:all_reduce"} <= names, relative
         assert len({n for n in names if n and n.startswith("ProfilerStep#")}) == 2
+
+
+# ------------------------------------------------------------------------------- CPU memory timeline, several ranks
+
+MEMORY_SNAPSHOT_ON_CPU = r"\[profiling\] enable_memory_snapshot on CPU needs one process, not 2: torch 2\.13's"
+
+
+def test_a_cpu_memory_timeline_on_several_processes_is_refused_by_the_plan():
+    config = load_job_config(["--config", "llama3_debug.toml", "--profiling.enable_profiling",
+                              "--profiling.enable_memory_snapshot"])
+    with pytest.raises(ConfigError, match=MEMORY_SNAPSHOT_ON_CPU + r".*\(python train\.py \.\.\.\).*--dry_run"):
+        resolve_plan(config, 2, "cpu")
+    resolve_plan(config, 1, "cpu")  # one process: the timeline works (test_trainer_writes_a_trace_and_...)
+    resolve_plan(config, 8, "cuda")  # GPUs: allocator snapshots, any layout
+
+
+def _freed_on(thread: str) -> list[int]:
+    """The profiler's memory events (bytes) of a tensor allocated here and freed on ``thread``."""
+    numel = 12_345  # a size nothing else allocates
+    keep = []
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as profiler:
+        keep.append(torch.empty(numel))
+        if thread == "main":
+            keep.clear()
+        else:
+            worker = threading.Thread(target=keep.clear)
+            worker.start()
+            worker.join()
+    return [e.cpu_memory_usage for e in profiler.events() if abs(e.cpu_memory_usage) == numel * 4]
+
+
+def test_torch_still_misses_frees_made_on_other_threads():
+    """The root cause of the refusal above: a free on a thread without the profiler's state is not recorded,
+    and gloo's worker threads free the tensors their collectives hold. When this fails, torch records such
+    frees: try the README's 2-process memory timeline and lift ``check_profiling``'s refusal (train/plan.py)."""
+    assert _freed_on("main") == [49_380, -49_380]
+    assert _freed_on("another thread") == [49_380]  # the free is lost
+
+
+@pytest.mark.slow
+def test_cpu_memory_timeline_on_two_processes_is_refused_in_one_line_at_start(tmp_path):
+    """The README's command, as a new user runs it: one line from rank 0, exit status 2 from the ranks, before
+    any data, model or profiler work."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(REPO / "train.py"), "--config", "llama3_debug.toml", "--profiling.enable_profiling",
+               "--profiling.profile_freq", "10", "--profiling.enable_memory_snapshot", "--job.dump_folder",
+               str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and re.match("error: " + MEMORY_SNAPSHOT_ON_CPU, errors[0]), result.stderr
+    assert "exitcode  : 2" in result.stderr  # the one-line ConfigError status, not a crash
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+FAILING_EXPORT = """
+import torch
+from titan_simple.config import Profiling
+from titan_simple.train.profiling import Profiler
+
+def disk_full(self, path):
+    raise OSError(28, "No space left on device", path)
+
+torch.profiler.profile.export_chrome_trace = disk_full
+# wait = profile_freq - warmup - active = 0: the next cycle's warm-up starts in the same transition as the export
+config = Profiling(enable_profiling=True, profile_freq=2, profiler_warmup=1, profiler_active=1)
+profiler = Profiler(config, {dump!r}, rank=0, device=torch.device("cpu"))
+profiler.start()
+x = torch.randn(32, 32, requires_grad=True)
+try:
+    for step in range(1, 5):
+        (x @ x).sum().backward()
+        profiler.step(step)
+except OSError as error:
+    print(f"raised at step {{step}}: {{error}}", flush=True)
+finally:
+    profiler.stop()
+print("stopped cleanly", flush=True)
+"""
+
+
+def test_a_failed_export_is_raised_from_step_and_the_profiler_still_stops(tmp_path):
+    """torch's profiler dies of SIGSEGV on stop() when on_trace_ready raised while the next cycle began; the
+    error must come out of Profiler.step instead, and stop() must work (a subprocess: a regression segfaults)."""
+    result = subprocess.run([sys.executable, "-c", FAILING_EXPORT.format(dump=str(tmp_path))], capture_output=True,
+                            text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "raised at step 2: [Errno 28] No space left on device" in result.stdout
+    assert "stopped cleanly" in result.stdout

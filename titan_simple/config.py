@@ -273,7 +273,7 @@ class Profiling:
     profiler_active: int = option(1, "Steps recorded per trace.")
     enable_memory_snapshot: bool = option(
         False, "CUDA: record allocator history and dump a snapshot every profile_freq steps and on OOM (open it "
-        "at pytorch.org/memory_viz). Other devices: a memory timeline from the profiler instead.",
+        "at pytorch.org/memory_viz). CPU: a memory timeline from the profiler instead, with one process only.",
     )
     save_memory_snapshot_folder: str = option(
         "memory_snapshot", "Memory snapshot folder under dump_folder: <folder>/iteration_N/rankR_*."

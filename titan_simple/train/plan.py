@@ -173,6 +173,7 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     dims = ParallelDims.from_config(config, world_size)
     model_args = model_args_for(config)
     validate_parallelism(dims, model_args, config)
+    check_profiling(config, world_size, device_type)
     pipeline = plan_pipeline(config, model_args.n_layers, dims.pp) if dims.pp > 1 else None
     training = config.training
     accumulation = accumulation_steps(training.global_batch_size, training.local_batch_size, dims.dp)
@@ -215,6 +216,22 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
         accumulation_steps=accumulation, precision=precision, gather_mode=gather, parallel=parallel, loss=loss,
         data=data, validation=plan_validation(config, dims, pipeline), reasons=reasons,
     )
+
+
+def check_profiling(config: JobConfig, world_size: int, device_type: str) -> None:
+    """A CPU memory timeline (``train/profiling.py``) needs a single process. torch 2.13 builds it from the
+    profiler's allocation events, but gloo's worker threads free the tensors a collective holds (its inputs, the
+    copies it makes) outside the profiler's view; a later allocation at the same address then reads as the same
+    tensor and ``export_memory_timeline`` fails ("version mismatch", "duplicate outputs"). Measured on the debug
+    model, 2 ranks: 15-27 such frees per recorded step, every export failed. CUDA snapshots come from the
+    allocator and work on any layout."""
+    if config.profiling.enable_memory_snapshot and device_type == "cpu" and world_size > 1:
+        raise ConfigError(
+            f"[profiling] enable_memory_snapshot on CPU needs one process, not {world_size}: torch 2.13's CPU "
+            "memory timeline misses the frees made on gloo's threads and cannot be built. Run it with one process "
+            "(python train.py ...), use --dry_run for this layout's memory per rank, or drop the option (traces "
+            "still work)."
+        )
 
 
 def compile_cache_folder(config: JobConfig) -> str:

@@ -22,7 +22,14 @@ records memory (``profile_memory=True``) and each recording's memory timeline is
 ``rankR_memory_timeline.json`` in the same folders: ``[times_us, sizes]``, where ``sizes[i]`` is the live bytes
 at ``times_us[i]`` as ``[0, parameter, optimizer state, input, temporary, activation, gradient, autograd detail,
 unknown]`` (torch 2.13's ``export_memory_timeline``, deprecated there in favour of the CUDA-only snapshot but
-the only timeline off CUDA; exporting takes seconds).
+the only timeline off CUDA; exporting takes seconds). That timeline needs a single process: with several, gloo's
+worker threads free tensors out of the profiler's sight and torch's analysis fails, so the plan refuses it
+(``train/plan.py``, ``check_profiling``).
+
+**Errors while writing.** torch calls ``on_trace_ready`` in the middle of a schedule transition; an exception
+raised there leaves its profiler half-stopped, and the next ``stop()`` dies of SIGSEGV (torch 2.13, when the
+next cycle starts with no wait step). A failed export is therefore held until the transition is over and raised
+from ``step()`` / ``stop()``, with its traceback.
 """
 
 from __future__ import annotations
@@ -81,6 +88,7 @@ class Profiler:
         self.save_traces = config.enable_profiling
         self._profiler: torch.profiler.profile | None = None
         self._step = 0
+        self._export_error: BaseException | None = None  # raised once torch's profiler is in a steady state
 
     @property
     def enabled(self) -> bool:
@@ -126,6 +134,18 @@ class Profiler:
                         profiling_config.profile_freq, self.snapshot_folder, self.rank)
 
     def _trace_ready(self, profiler: torch.profiler.profile) -> None:
+        """torch's ``on_trace_ready``: never raises into torch (see the module docstring)."""
+        try:
+            self._write_recording(profiler)
+        except BaseException as error:  # noqa: BLE001 -- re-raised by _raise_export_error
+            self._export_error = error
+
+    def _raise_export_error(self) -> None:
+        if self._export_error is not None:
+            error, self._export_error = self._export_error, None
+            raise error
+
+    def _write_recording(self, profiler: torch.profiler.profile) -> None:
         if self.save_traces:
             path = os.path.join(self._folder(self.traces_folder, self._step), f"rank{self.rank}_trace.json")
             profiler.export_chrome_trace(path)
@@ -141,6 +161,7 @@ class Profiler:
         self._step = step
         if self._profiler is not None:
             self._profiler.step()
+            self._raise_export_error()
         if self.cuda_snapshots and step % self.config.profile_freq == 0:
             self._dump_snapshot(step)
 
@@ -168,6 +189,7 @@ class Profiler:
         if self.cuda_snapshots:
             stop_recording_cuda_memory()
             self.cuda_snapshots = False
+        self._raise_export_error()
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ from titan_simple.train.metrics import (
 from titan_simple.train.optim import lr_scheduler_from_config, optimizer_from_config
 from titan_simple.train.plan import check_vocabulary, resolve_plan
 from titan_simple.train.profiling import Profiler
+from titan_simple.train.run_status import RunStatus
 from titan_simple.train.step import StepResult, build_train_step
 from titan_simple.train.validation import Validator
 
@@ -97,7 +98,8 @@ class Trainer:
         self.peak_flops = peak_flops_per_second(self.device)
         self.step = 0
         self.losses: list[float] = []  # global average loss of every step, for tests and summaries
-        self._stop_requested = False
+        self._stop_signal = 0  # the first SIGINT / SIGTERM this rank received, 0 if none
+        self.run_status = RunStatus(config.job.dump_folder, rank=self.dist.rank, steps=training.steps)
         self._log_summary()
         self.tokens_seen = 0
         self.checkpoint = CheckpointManager(
@@ -143,13 +145,25 @@ class Trainer:
 
     def _request_stop(self, signum: int, _frame: Any) -> None:
         logger.warning("received %s: stopping after this step", signal.Signals(signum).name)
-        self._stop_requested = True
+        self._stop_signal = self._stop_signal or signum
 
-    def _everyone_agrees_to_stop(self) -> bool:
-        flag = torch.tensor([1.0 if self._stop_requested else 0.0], device=self.device)
+    def _stop_signal_of_any_rank(self) -> signal.Signals | None:
+        """The signal a stop was requested with on any rank (the larger number if they differ), None if none:
+        every rank stops after the same step, even when only some received the signal."""
+        flag = torch.tensor([float(self._stop_signal)], device=self.device)
         if self.dist.is_distributed:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return signal.Signals(int(flag.item())) if flag.item() else None
+
+    def _write_end_status(self, stop_signal: signal.Signals | None) -> None:
+        """``run_status.json`` once the loop is over and every save is on disk (``train/run_status.py``)."""
+        steps = self.config.training.steps
+        checkpoint = self.checkpoint.latest_complete() if self.config.checkpoint.enable else None
+        checkpoint = str(checkpoint) if checkpoint else None
+        if stop_signal is not None and self.step < steps:
+            self.run_status.write("stopped", self.step, signal=stop_signal.name, checkpoint=checkpoint)
+        else:
+            self.run_status.write("finished", self.step, checkpoint=checkpoint)
 
     def _progress(self) -> TrainProgress:
         return TrainProgress(step=self.step, tokens_seen=self.tokens_seen)
@@ -165,6 +179,8 @@ class Trainer:
         timer = StepTimer()
         self.memory.reset_peak()
         self.profiler.start(first_step=self.step)
+        self.run_status.write("running", self.step)
+        stop_signal = None
         try:
             while self.step < steps:
                 self.step += 1
@@ -197,14 +213,19 @@ class Trainer:
                     with timer.excluded():  # not part of the training throughput
                         self.metrics.log(self.step, self.validator.validate(), total_steps=steps)
                 self.checkpoint.save(self._progress(), last=self.step == steps)
-                if self._everyone_agrees_to_stop():
+                stop_signal = self._stop_signal_of_any_rank()
+                if stop_signal is not None:
                     self.checkpoint.save(self._progress(), force=True)  # nothing to do if this step just saved
                     logger.warning("stopped at step %d of %d on request", self.step, steps)
                     break
             self.checkpoint.close()  # a background save still running
+        except BaseException as error:
+            self.run_status.write_failure(self.step, error)
+            raise
         finally:
             for s, handler in previous_handlers.items():
                 signal.signal(s, handler)
             self.profiler.stop()
             self.metrics.close()
+        self._write_end_status(stop_signal)
         return self.losses

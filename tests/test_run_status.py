@@ -1,0 +1,207 @@
+"""How a run ended, for Slurm: SIGINT / SIGTERM to a torchrun job stop it cleanly with a checkpoint and a
+``stopped`` run status (torchrun itself exits 1), a crash never reads as ``stopped``, and
+``scripts/multinode.slurm`` requeues after a stop and after nothing else."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from titan_simple.train.checkpoint_files import complete_steps
+from titan_simple.train.run_status import RunStatus, read_run_status
+
+REPO = Path(__file__).resolve().parent.parent
+RUN_STATUS = REPO / "scripts" / "run_status.py"
+SLURM_SCRIPT = REPO / "scripts" / "multinode.slurm"
+RESUMABLE = 75
+TINY = ["--config", "llama3_debug.toml", "--training.seq_len", "32", "--training.local_batch_size", "1",
+        "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1", "--metrics.enable_tensorboard=false"]
+
+
+def run_status_verdict(dump: Path, since: float | None = None) -> tuple[int, str]:
+    since_args = [] if since is None else ["--since", str(since)]
+    result = subprocess.run([sys.executable, str(RUN_STATUS), *since_args, "--config", "llama3_debug.toml",
+                             "--job.dump_folder", str(dump)], capture_output=True, text=True, timeout=60, cwd=REPO)
+    return result.returncode, result.stdout + result.stderr
+
+
+# ------------------------------------------------------------------------------------- the verdict, no training
+
+
+@pytest.mark.parametrize("state, fields, code, says", [
+    ("finished", {"checkpoint": None}, 0, "finished: step 4 of 4"),
+    ("stopped", {"signal": "SIGTERM", "checkpoint": "/x/checkpoint/step-4"}, RESUMABLE,
+     "stopped by SIGTERM at step 4 of 4"),
+    ("stopped", {"signal": "SIGINT", "checkpoint": None}, 1, "with no checkpoint"),
+    ("failed", {"error": "RuntimeError: boom"}, 1, "failed at step 4 of 4"),
+    ("running", {}, 1, "killed while running"),
+])
+def test_run_status_script_says_what_to_do_with_the_job(tmp_path, state, fields, code, says):
+    RunStatus(str(tmp_path), rank=0, steps=4).write(state, 4, **fields)
+    assert run_status_verdict(tmp_path)[0] == code
+    assert says in run_status_verdict(tmp_path)[1]
+
+
+def test_a_status_older_than_the_launch_or_none_is_not_resumable(tmp_path):
+    assert run_status_verdict(tmp_path) == (1, f"{tmp_path}/run_status.json: no run status: the run did not reach "
+                                               "training\n")
+    RunStatus(str(tmp_path), rank=0, steps=4).write("stopped", 2, signal="SIGTERM", checkpoint="/x/step-2")
+    assert run_status_verdict(tmp_path)[0] == RESUMABLE
+    code, says = run_status_verdict(tmp_path, since=time.time() + 1)  # launched after that stop: a stale status
+    assert code == 1 and "stale" in says
+    RunStatus(str(tmp_path), rank=1, steps=4).write("failed", 3)  # only rank 0 writes
+    assert read_run_status(tmp_path)["state"] == "stopped"
+
+
+# ----------------------------------------------------------------------------- the Slurm script, with fake Slurm
+
+FAKE_SRUN = """#!/bin/bash
+# Stands in for srun + torchrun: leaves the run status a real run would, exits as torchrun would.
+dump="$(echo "$@" | sed -E 's/.*--job.dump_folder ([^ ]+).*/\\1/')"
+echo "$@" > "$dump/srun_args"
+case "$FAKE_OUTCOME" in
+    stopped) echo '{"state": "stopped", "step": 11, "steps": 50, "signal": "SIGTERM",
+              "checkpoint": "'"$dump"'/checkpoint/step-11", "time": '"$(date +%s)"'}' > "$dump/run_status.json"
+             exit 1 ;;
+    finished) echo '{"state": "finished", "step": 50, "steps": 50, "time": '"$(date +%s)"'}' > "$dump/run_status.json"
+              exit 0 ;;
+    crashed) echo '{"state": "running", "step": 0, "steps": 50, "time": '"$(date +%s)"'}' > "$dump/run_status.json"
+             exit 1 ;;
+    stale) exit 1 ;;  # died before training: the status is the previous launch's
+esac
+"""
+FAKE_SCONTROL = """#!/bin/bash
+if [ "$1" = show ]; then echo node001; else echo "$@" >> "$SCONTROL_LOG"; fi
+"""
+
+
+def run_slurm_script(tmp_path: Path, outcome: str) -> tuple[int, list[str], str]:
+    """``scripts/multinode.slurm`` as the batch step runs it, with srun and scontrol faked on PATH."""
+    bin_dir, dump = tmp_path / "bin", tmp_path / "dump"
+    bin_dir.mkdir()
+    dump.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(stat.S_IRWXU)
+    # What an earlier launch left: it stopped on request, a minute ago.
+    earlier = {"state": "stopped", "step": 5, "steps": 50, "signal": "SIGTERM", "checkpoint": str(dump / "x"),
+               "time": time.time() - 60}
+    (dump / "run_status.json").write_text(json.dumps(earlier))
+    log = tmp_path / "scontrol.log"
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2",
+           "SLURM_JOB_NODELIST": "node[001-002]", "FAKE_OUTCOME": outcome, "SCONTROL_LOG": str(log)}
+    result = subprocess.run(["bash", str(SLURM_SCRIPT), "configs/llama3_debug.toml", "--job.dump_folder", str(dump)],
+                            capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    requeues = log.read_text().splitlines() if log.exists() else []
+    assert "--shutdown_timeout 240" in (dump / "srun_args").read_text()
+    return result.returncode, requeues, result.stderr
+
+
+def test_slurm_script_is_valid_bash_and_asks_for_the_stop_signal():
+    subprocess.run(["bash", "-n", str(SLURM_SCRIPT)], check=True)
+    directives = [line.split()[1] for line in SLURM_SCRIPT.read_text().splitlines() if line.startswith("#SBATCH")]
+    assert {"--signal=TERM@300", "--requeue", "--open-mode=append"} <= set(directives)
+
+
+@pytest.mark.parametrize("outcome, status, requeued", [
+    ("stopped", 0, True),  # SIGTERM before the time limit, checkpoint saved: requeue, resume from it
+    ("finished", 0, False),
+    ("crashed", 1, False),  # killed while running: fail the job
+    ("stale", 1, False),  # died before training; the "stopped" on disk is the earlier launch's
+])
+def test_slurm_script_requeues_after_a_stop_on_request_only(tmp_path, outcome, status, requeued):
+    code, requeues, stderr = run_slurm_script(tmp_path, outcome)
+    assert code == status, stderr
+    assert requeues == (["requeue 4242"] if requeued else []), stderr
+
+
+# ------------------------------------------------------------------------------------ real torchrun jobs (slow)
+
+
+def start_torchrun(entry: Path, dump: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(entry),
+               *TINY, "--training.steps", "500", "--job.dump_folder", str(dump), "--checkpoint.enable",
+               "--checkpoint.interval", "1000", *extra]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+
+
+def wait_for_steps(launcher: subprocess.Popen, dump: Path, steps: int, timeout_s: float = 300) -> None:
+    metrics, deadline = dump / "metrics.jsonl", time.monotonic() + timeout_s
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+        assert launcher.poll() is None, launcher.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "the job did not start training"
+        time.sleep(0.2)
+
+
+def finish(launcher: subprocess.Popen, timeout_s: float = 120) -> str:
+    try:
+        return launcher.communicate(timeout=timeout_s)[0]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_torchrun_stops_with_a_checkpoint_and_a_stopped_status(tmp_path, signum):
+    launched_at = time.time()
+    launcher = start_torchrun(REPO / "train.py", tmp_path)
+    wait_for_steps(launcher, tmp_path, 2)
+    launcher.send_signal(signum)  # Ctrl-C, or Slurm's SIGTERM before the time limit
+    output = finish(launcher)
+
+    # torch 2.13's torchrun re-raises its SignalException: 1 whatever the workers did (README, Checkpoints).
+    assert launcher.returncode == 1, output[-3000:]
+    assert "stopped at step" in output and "on request" in output, output[-3000:]
+    assert "exitcode" not in output  # no worker failed: both exited 0
+    status = read_run_status(tmp_path)
+    step = status["step"]
+    assert status["state"] == "stopped" and status["signal"] == signum.name and 2 <= step < 500, status
+    assert status["checkpoint"] == str(tmp_path / "checkpoint" / f"step-{step}")
+    assert complete_steps(tmp_path / "checkpoint") == [step]
+    code, says = run_status_verdict(tmp_path, since=launched_at)
+    assert code == RESUMABLE, says
+
+
+RAISING_RANK = """
+import runpy, sys
+sys.path.insert(0, {repo!r})
+from titan_simple.train.trainer import Trainer
+
+def train_step(self, batches):
+    if self.dist.rank == 1 and self.step == 3:
+        raise RuntimeError("rank 1 fails at step 3")
+    return original(self, batches)
+
+original, Trainer.train_step = Trainer.train_step, train_step
+sys.argv[0] = {train!r}
+runpy.run_path({train!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_crashing_rank_never_leaves_a_stopped_status(tmp_path):
+    """torchrun answers a failed rank by SIGTERMing the others: that must not read as a stop on request, even
+    where an earlier launch left ``stopped``."""
+    RunStatus(str(tmp_path), rank=0, steps=500).write("stopped", 1, signal="SIGTERM", checkpoint="/earlier/step-1")
+    entry = tmp_path / "raising_rank.py"
+    entry.write_text(RAISING_RANK.format(repo=str(REPO), train=str(REPO / "train.py")))
+    launched_at = time.time()
+    output = finish(start_torchrun(entry, tmp_path), timeout_s=300)
+
+    assert "rank 1 fails at step 3" in output, output[-3000:]
+    status = read_run_status(tmp_path)
+    assert status["state"] == "failed" and status["step"] == 3, status  # rank 0's step 3 failed with its peer
+    assert "on request" not in output, output[-3000:]
+    code, says = run_status_verdict(tmp_path, since=launched_at)
+    assert code == 1 and "failed at step 3" in says, says
