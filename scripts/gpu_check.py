@@ -561,6 +561,8 @@ def check_checkpoint(checks: Checks) -> Outcome:
     staged = time.perf_counter() - started
     train(layout, 1)  # while the background thread writes: the staged copy must not change
     manager.close()
+    if dist.is_initialized():  # rank 0 renames step-N.partial once its wait is over; the others return before that
+        dist.barrier()
     written = time.perf_counter() - started
     changed = local_state(layout)
     if not any(not torch.equal(changed[k], v) for k, v in saved.items()):
@@ -676,7 +678,8 @@ def worker(folder: Path, results: Path, rows: list[str]) -> None:
         log.write(row=name, event="start")
         started = time.perf_counter()
         status, detail = run_row(checks, ROWS_BY_NAME[name], injected)
-        log.write(row=name, event="end", status=status, detail=detail, seconds=time.perf_counter() - started)
+        log.write(row=name, event="end", status=status, detail=detail, seconds=time.perf_counter() - started,
+                  time=time.time())
         logger.info("%s: %s (%s)", name, status, detail)
         if status == FAIL:
             os._exit(1)  # peers may wait in a collective this rank will never join: torchrun stops them
@@ -716,7 +719,8 @@ def read_records(results: Path, nproc: int) -> dict[int, list[dict]]:
 def merge_job(rows: list[str], job: JobEnd, nproc: int) -> tuple[dict[str, RowResult], list[str]]:
     """The results of a job's rows up to the first that did not pass on every rank (that one included, as a
     failure), and the rows left for the next job. A row passes where every rank recorded its end without failure;
-    its seconds and detail are rank 0's."""
+    its seconds and detail are rank 0's. Of several failing ranks the first to fail is named: the others often
+    only saw it leave ("Connection reset by peer")."""
     ends = {rank: {r["row"]: r for r in recs if r["event"] == "end"} for rank, recs in job.records.items()}
     starts = {rank: {r["row"] for r in recs if r["event"] == "start"} for rank, recs in job.records.items()}
     results: dict[str, RowResult] = {}
@@ -724,7 +728,7 @@ def merge_job(rows: list[str], job: JobEnd, nproc: int) -> tuple[dict[str, RowRe
         mine = [ends.get(rank, {}).get(name) for rank in range(nproc)]
         failed = [(rank, end) for rank, end in enumerate(mine) if end is not None and end["status"] == FAIL]
         if failed:
-            rank, end = failed[0]
+            rank, end = min(failed, key=lambda item: (item[1].get("time", 0.0), item[0]))
             who = f"rank {rank}: " if nproc > 1 else ""
             results[name] = RowResult(FAIL, end["seconds"], who + end["detail"])
         elif all(end is not None for end in mine):
