@@ -274,7 +274,8 @@ def advice(row: Row, error: BaseException, device_type: str) -> str:
     if isinstance(error, torch.OutOfMemoryError):
         return "another process holds GPU memory: check nvidia-smi and free the GPUs"
     if "NCCL" in text or "nccl" in text:
-        return f"NCCL failed: {ROWS_BY_NAME['process_group'].todo}"
+        what = "NCCL init failed" if row.name == "process_group" else "NCCL failed"
+        return f"{what}: {ROWS_BY_NAME['process_group'].todo}"
     if row.name == "process_group" and device_type != "cuda":
         return "check GLOO_SOCKET_IFNAME and that the loopback interface is up"
     return row.todo
@@ -755,11 +756,14 @@ def unfinished_reason(name: str, ends: list[dict | None], starts: dict[int, set[
 
 
 def last_error_line(log: Path) -> str:
-    """The last line of a job log that names an error or a signal, for the table (the log has the rest)."""
+    """The last line of a job log that names an error or a signal, for the table (the log has the rest); torchrun's
+    own summary of a failed rank ("ChildFailedError") and the SIGTERM it sends the other ranks say nothing the
+    table does not."""
     if not log.exists():
         return ""
     lines = [line.strip() for line in log.read_text(errors="replace").splitlines()]
-    hits = [line for line in lines if "Error" in line or "Signal " in line or "error:" in line]
+    hits = [line for line in lines if ("Error" in line or "Signal " in line or "error:" in line)
+            and not any(noise in line for noise in ("ChildFailedError", "elastic", "(SIGTERM)"))]
     return hits[-1][:160] if hits else ""
 
 

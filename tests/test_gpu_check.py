@@ -8,6 +8,7 @@ import importlib.util
 import inspect
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -101,6 +102,7 @@ def test_a_failing_row_exits_non_zero_and_the_other_rows_still_run():
     assert "2 checks failed: memory, checkpoint" in done.stdout
     kept = re.search(r"kept in (\S+)", done.stdout).group(1)  # a failure keeps the logs
     assert sorted(p.name for p in Path(kept).glob("job-*.log")) == ["job-1.log", "job-2.log", "job-3.log"]
+    shutil.rmtree(kept)
 
 
 def test_an_unknown_row_is_one_line_and_status_2(capsys):
@@ -286,9 +288,20 @@ def test_nccl_and_gpu_memory_errors_get_their_own_advice():
     nccl = RuntimeError("NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled system error\nmore")
     assert gpu_check.error_line(nccl) == ("RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1970, unhandled "
                                           "system error")
-    assert "NCCL_SOCKET_IFNAME" in gpu_check.advice(row, nccl, "cuda")
+    assert gpu_check.advice(row, nccl, "cuda").startswith("NCCL failed: check NCCL_SOCKET_IFNAME")
+    init = gpu_check.advice(gpu_check.ROWS_BY_NAME["process_group"], nccl, "cuda")
+    assert init.startswith("NCCL init failed: check NCCL_SOCKET_IFNAME") and "NCCL_DEBUG=INFO" in init
     assert "nvidia-smi" in gpu_check.advice(row, torch.OutOfMemoryError("CUDA out of memory"), "cuda")
     assert gpu_check.advice(row, ValueError("x"), "cuda") == row.todo
+
+
+def test_the_log_line_named_for_a_dead_rank_is_its_error_not_torchruns_summary(tmp_path):
+    log = tmp_path / "job-1.log"
+    log.write_text("[rank1] ... RuntimeError: CUDA error: an illegal memory access was encountered\n"
+                   "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n  exitcode  : 1\n"
+                   "  traceback : Signal 15 (SIGTERM) received by PID 30767\n")
+    assert gpu_check.last_error_line(log) == "[rank1] ... RuntimeError: CUDA error: an illegal memory access was " \
+                                             "encountered"
 
 
 def test_injected_failures_are_read_from_the_test_variable():
