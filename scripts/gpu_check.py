@@ -859,7 +859,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --nproc {nproc}: this node has {count} visible GPUs; give 1 to {count}", file=sys.stderr)
         return 2
     folder = Path(tempfile.mkdtemp(prefix="gpu_check-"))
-    where = f"{nproc} GPU{'s' * (nproc > 1)}" if device_type == "cuda" else f"{nproc} CPU processes"
+    where = f"{nproc} GPU{'s' * (nproc > 1)}" if device_type == "cuda" else f"{nproc} CPU process{'es' * (nproc > 1)}"
     print(f"gpu_check: {where} ({backend_for(device_type)}), torch {torch.__version__}, debug model with 2 layers; "
           f"{len(rows)} checks", flush=True)
     results = run_rows(rows, nproc, folder, args.timeout)
