@@ -110,6 +110,8 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
      "async tensor parallel (parallelize.py): the pass fuses only on groups registered here"),
     (symmetric_memory, "is_symm_mem_enabled_for_group",
      "async tensor parallel: what the pass checks before it fuses (tests)"),
+    (symmetric_memory, "empty", "scripts/gpu_check.py: probe whether symmetric memory works on this node"),
+    (symmetric_memory, "rendezvous", "scripts/gpu_check.py: probe whether symmetric memory works on this node"),
     (micro_pipeline_tp, "find_all_gather_patterns",
      "async_tensor_parallel_matches: the all-gather -> matmul pairs the pass would fuse"),
     (micro_pipeline_tp, "find_reduce_scatter_patterns",
@@ -238,6 +240,16 @@ def enable_symmetric_memory(group_name: str) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*enable_symm_mem_for_group.*", category=FutureWarning)
         symmetric_memory.enable_symm_mem_for_group(group_name)
+
+
+def probe_symmetric_memory(group: torch.distributed.ProcessGroup, device: torch.device) -> None:
+    """Allocate a small symmetric-memory buffer on ``device`` and rendezvous it over ``group`` (a collective: every
+    rank of the group calls it): what async tensor parallel's fused kernels do first. Raises where this node cannot
+    (no CUDA, no peer access between the GPUs, a driver or NCCL without support). Checked by reading torch 2.13's
+    ``torch/distributed/_symmetric_memory/__init__.py``: ``empty(*size, dtype, device)`` allocates from the
+    symmetric pool on CUDA, ``rendezvous(tensor, group)`` takes a ProcessGroup or its name; no GPU has run it."""
+    buffer = symmetric_memory.empty(64, dtype=torch.uint8, device=device)
+    symmetric_memory.rendezvous(buffer, group)
 
 
 def async_tensor_parallel_matches(graph: torch.fx.Graph) -> tuple[int, int]:
