@@ -58,6 +58,16 @@ def test_bad_bucketing_is_rejected():
         compile_model(torch.nn.Linear(2, 2), bucketing="greedy")
 
 
+def test_the_gpu_runtime_model_is_inductors_analytical_one():
+    """On CUDA the overlap scheduler prices nodes with Inductor's analytical model: no calibration, nothing sent."""
+    from titan_simple.parallel.torch_private import analytical_runtime_ms, rank_local_compile_options
+
+    assert compile_mod.runtime_estimator(cpu=False) is analytical_runtime_ms
+    plan = compile_mod.CompilePlan(mode="whole")
+    assert rank_local_compile_options().items() <= plan.inductor_options().items()
+
+
+
 def _batch(step: int, rank: int):
     g = torch.Generator().manual_seed(1000 + 10 * step + rank)
     tokens = torch.randint(0, _args().vocab_size, (LOCAL_BATCH, SEQ_LEN + 1), generator=g)
