@@ -144,3 +144,16 @@ def test_analytical_estimates_need_no_other_rank():
         assert matmul > 0
         assert private.analytical_runtime_ms(nodes[torch.ops._c10d_functional.wait_tensor.default]) is None
 
+
+def test_process_group_timeouts_can_be_read_and_changed():
+    import torch.distributed as dist
+
+    from tests.distributed_utils import single_rank_process_group
+
+    private = _private_module()
+    with single_rank_process_group():
+        private.set_process_group_timeout(None, 42)
+        assert private.process_group_timeout_seconds() == 42.0
+        group = dist.new_group([0])
+        private.set_process_group_timeout(group, 7.5)
+        assert private.process_group_timeout_seconds(group) == 7.5

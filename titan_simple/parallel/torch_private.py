@@ -14,6 +14,7 @@ Where a private API is a method or a config key, a small function wraps it.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import warnings
 
@@ -24,6 +25,7 @@ import torch._inductor.config as inductor_config
 import torch._inductor.config_comms as inductor_comms_config
 import torch._ops
 import torch.distributed._symmetric_memory as symmetric_memory
+import torch.distributed.distributed_c10d as c10d
 import torch.distributed.tensor.placement_types as placement_types
 import torch.utils._pytree as pytree
 import torch.utils._runtime_estimation as runtime_estimation
@@ -88,6 +90,7 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
      "cross_rank_compile_settings: the partitioner's all_gather_object over all ranks"),
     (inductor_comms_config, "runtime_estimations_align_across_all_distributed_ranks",
      "cross_rank_compile_settings: the scheduler's all_gather_object over all ranks"),
+    (c10d, "_set_pg_timeout", "set_process_group_timeout (train/distributed.py): the training timeout"),
     (overlap_scheduling, "is_compute_node",
      "comm_plan.py / cpu_cost_model.py: Inductor's own test for a compute node"),
     (control_dependencies, "control_deps",
@@ -338,3 +341,19 @@ def cross_rank_compile_settings() -> list[str]:
         found.append("torch._inductor.config_comms.runtime_estimations_align_across_all_distributed_ranks")
     return found
 
+
+# --- process groups -------------------------------------------------------------------------------------------
+
+
+def set_process_group_timeout(group: torch.distributed.ProcessGroup | None, seconds: float) -> None:
+    """Change the timeout of ``group`` (None: the default group) for the collectives issued from now on. torch
+    2.13 has no public API for it (``distributed_c10d._set_pg_timeout``: NCCL and gloo backends)."""
+    c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+
+def process_group_timeout_seconds(group: torch.distributed.ProcessGroup | None = None) -> float:
+    """The timeout ``group``'s backend applies now (None: the default group), for checks and logs (gloo:
+    ``ProcessGroupGloo.options.timeout``; NCCL: the same option, ``ProcessGroupNCCL.options``)."""
+    group = group or c10d._get_default_group()
+    backend = group._get_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    return backend.options._timeout.total_seconds()
