@@ -63,10 +63,14 @@ class Trainer:
             use_compile_cache(self.plan.compile.cache_dir)
         self.tokenizer = Tokenizer(resolve_project_path(config.model.tokenizer_path))  # fails fast on a bad path
         check_vocabulary(config, self.tokenizer.vocab_size)
+        if training.deterministic:
+            # Before the process group: ProcessGroupNCCL's constructor disables NCCL's NVLS algorithms (whose
+            # reductions are not deterministic) only when deterministic mode is already on (read in pytorch's
+            # ProcessGroupNCCL.cpp constructor, "If deterministic mode is enabled ... NCCL_ALGO=^NVLS"; the CPU
+            # wheel of 2.13 ships no CUDA library to confirm it in).
+            torch.use_deterministic_algorithms(True)
         init_process_group(self.dist, config.comm.init_timeout_seconds)
         torch.manual_seed(training.seed)
-        if training.deterministic:
-            torch.use_deterministic_algorithms(True)
         self.mesh = self.dims.build_mesh(self.device.type)
         # The mesh's groups start with torch's default timeout, not the default group's: give them the start-up one.
         self.process_groups = self.dims.process_groups(self.mesh)
