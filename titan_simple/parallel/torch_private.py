@@ -141,7 +141,15 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
 def add_control_deps(graph: torch.fx.Graph, deps: dict[torch.fx.Node, list[torch.fx.Node]]) -> None:
     """Make each node of ``deps`` run after the nodes it maps to, in Inductor's generated code, as
     ``insert_overlap_deps`` does (``preserve_node_ordering`` wraps a node in ``control_deps(deps, subgraph,
-    *inputs)``). A node that is already wrapped gets the extra dependencies added to its wrapper's ``deps``."""
+    *inputs)``). A node that is already wrapped gets the extra dependencies added to its wrapper's ``deps``.
+
+    Any node kind is safe, multi-output and SymInt-returning ones included (CUDA's flash SDPA returns 9 values,
+    2 of them SymInts): the subgraph returns the node's whole value, Inductor lowers it inline with the same
+    lowering as the bare node (lowering.py:8685-8717, process_subgraph_nodes) and realizes only the IR nodes among
+    the deps (SymInt leaves are skipped); ``tests/test_compile.py`` checks such a node, static and dynamic. What
+    wrapping does cost is fusion across the wrapper (pytorch issue 186084: bf16 results shifted where a pointwise
+    / normalization node was wrapped); we wrap only matmul-like compute and collective waits, whose outputs are
+    buffers of their own anyway."""
     fresh = {}
     for node, after in deps.items():
         if node.target is control_deps:
