@@ -140,9 +140,9 @@ def test_analytical_estimates_need_no_other_rank():
         with cpu_roofline(None):
             gather = private.analytical_runtime_ms(nodes[torch.ops._c10d_functional.all_gather_into_tensor.default])
             matmul = private.analytical_runtime_ms(nodes[torch.ops.aten.mm.default])
+            wait = private.analytical_runtime_ms(nodes[torch.ops._c10d_functional.wait_tensor.default])
         assert gather == 0  # a group of one rank moves nothing
-        assert matmul > 0
-        assert private.analytical_runtime_ms(nodes[torch.ops._c10d_functional.wait_tensor.default]) is None
+        assert matmul > 0 and wait >= 0
 
 
 def test_process_group_timeouts_can_be_read_and_changed():

@@ -320,9 +320,9 @@ def analytical_runtime_ms(node: torch.fx.Node, override_size: int | None = None)
     computation), any other op from the roofline model. The same on every rank of one GPU type."""
     if node.op != "call_function":
         return None
-    if isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "_c10d_functional":
-        if node.target is torch.ops._c10d_functional.wait_tensor.default:
-            return None
+    target = node.target
+    if (isinstance(target, torch._ops.OpOverload) and target.namespace == "_c10d_functional"
+            and target is not torch.ops._c10d_functional.wait_tensor.default):
         return comm_analysis.estimate_nccl_collective_runtime_from_fx_node(
             node, override_size, use_nccl_estimator=False)
     return overlap_scheduling.estimate_roofline_runtime_ms(node)
