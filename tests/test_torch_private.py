@@ -104,18 +104,19 @@ def test_rank_local_options_are_inductor_settings_and_nothing_syncs_by_default()
     assert private.cross_rank_compile_settings() == []
 
 
-def test_cross_rank_compile_settings_stop_a_compiled_pipeline_run(monkeypatch):
+def test_cross_rank_compile_settings_stop_a_compiled_pipeline_run():
     from titan_simple.config import load_job_config
     from titan_simple.errors import ConfigError
     from titan_simple.train.plan import resolve_plan
 
     private = _private_module()
-    monkeypatch.setattr(private.dynamo_config, "enable_compiler_collectives", True)
     config = load_job_config(["--parallelism.pipeline_parallel_degree=2", "--training.local_batch_size=2",
                               "--compile.enable"])
-    with pytest.raises(ConfigError, match="TORCH_COMPILER_COLLECTIVES=1 .* deadlocks pipeline stages"):
-        resolve_plan(config, 2, "cpu")
-    resolve_plan(load_job_config(["--compile.enable"]), 2, "cpu")  # without pipeline parallel it is fine
+    with private.dynamo_config.patch(enable_compiler_collectives=True):
+        with pytest.raises(ConfigError, match="TORCH_COMPILER_COLLECTIVES=1 .* deadlocks pipeline stages"):
+            resolve_plan(config, 2, "cpu")
+        resolve_plan(load_job_config(["--compile.enable"]), 2, "cpu")  # without pipeline parallel it is fine
+    assert private.dynamo_config.enable_compiler_collectives is False
 
 
 def test_analytical_estimates_need_no_other_rank():
