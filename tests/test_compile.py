@@ -58,6 +58,66 @@ def test_bad_bucketing_is_rejected():
         compile_model(torch.nn.Linear(2, 2), bucketing="greedy")
 
 
+def test_the_gpu_runtime_model_is_inductors_analytical_one():
+    """On CUDA the overlap scheduler prices nodes with Inductor's analytical model: no calibration, nothing sent."""
+    from titan_simple.parallel.torch_private import analytical_runtime_ms, rank_local_compile_options
+
+    assert compile_mod.runtime_estimator(cpu=False) is analytical_runtime_ms
+    plan = compile_mod.CompilePlan(mode="whole")
+    assert rank_local_compile_options().items() <= plan.inductor_options().items()
+
+
+# A stand-in for CUDA's SDPA flash kernel, which returns 9 values, SymInts among them (CPU's returns 2): control
+# deps must wrap such a node, and make it a dependency of another, without changing a result.
+@torch.library.custom_op("titan_simple_test::attention_like", mutates_args=())
+def _attention_like(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    scores = q @ k.transpose(-1, -2)
+    return scores.softmax(-1), scores.logsumexp(-1), q.shape[-2], k.shape[-2]
+
+
+@_attention_like.register_fake
+def _(q, k):
+    scores = q @ k.transpose(-1, -2)
+    return torch.empty_like(scores), scores.new_empty(scores.shape[:-1]), q.shape[-2], k.shape[-2]
+
+
+class _WrapMultiOutputNode(compile_mod.CustomGraphPass):
+    """Pins the multi-output node after the matmul, and the next multiplication after the multi-output node."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        from titan_simple.parallel.torch_private import add_control_deps, control_deps
+
+        nodes = list(graph.nodes)
+        mm = next(n for n in nodes if n.target is torch.ops.aten.mm.default)
+        attention = next(n for n in nodes if n.target is torch.ops.titan_simple_test.attention_like.default)
+        mul = next(n for n in nodes if n.target is torch.ops.aten.mul.Tensor)
+        add_control_deps(graph, {attention: [mm]})
+        wrapped = next(n for n in graph.nodes if n.target is control_deps)
+        add_control_deps(graph, {mul: [wrapped]})
+        self.wrapped = sum(n.target is control_deps for n in graph.nodes)
+
+    def uuid(self) -> str:
+        return "wrap-multi-output-node"
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_control_deps_keep_multi_output_symint_nodes_correct(dynamic):
+    def f(x, w):
+        h = x @ w
+        probs, lse, rows_q, rows_k = torch.ops.titan_simple_test.attention_like(h, h)
+        return probs * 2 + rows_q, lse.sum() + rows_k
+
+    x, w = torch.randn(3, 8, 4), torch.randn(4, 4)
+    expected = f(x, w)
+    torch._dynamo.reset()
+    wrap = _WrapMultiOutputNode()
+    compiled = torch.compile(f, fullgraph=True, dynamic=dynamic, options={"post_grad_custom_post_pass": wrap})
+    results = compiled(x, w)
+    assert wrap.wrapped == 2
+    for result, reference in zip(results, expected, strict=True):
+        torch.testing.assert_close(result, reference)
+
+
 def _batch(step: int, rank: int):
     g = torch.Generator().manual_seed(1000 + 10 * step + rank)
     tokens = torch.randint(0, _args().vocab_size, (LOCAL_BATCH, SEQ_LEN + 1), generator=g)

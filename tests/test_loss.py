@@ -95,3 +95,38 @@ def test_chunked_loss_with_loss_parallel_and_on_the_last_pipeline_stage():
         plain, chunked = results[0][f"{name}/1"], results[0][f"{name}/8"]
         assert max_rel_diff(chunked["losses"], plain["losses"]) <= RTOL, name
         assert max_grad_diff(chunked["grads"], plain["grads"]) <= RTOL, name
+
+
+@pytest.mark.parametrize("chunks", [None, 1, 4])
+def test_deterministic_mode_gives_the_same_losses_and_gradients(chunks):
+    """``[training] deterministic`` (torch.use_deterministic_algorithms): the plain and the chunked loss run and
+    give what they give without it, to 1e-6 in fp32 (on CPU; the CUDA kernels are discussed in train/loss.py)."""
+    expected = _loss_and_grads(_eager, chunks)
+    torch.use_deterministic_algorithms(True)
+    try:
+        loss, hidden_grad, weight_grad = _loss_and_grads(_eager, chunks)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert abs(loss - expected[0]) <= RTOL * abs(expected[0])
+    assert max_grad_diff({"h": hidden_grad, "w": weight_grad}, {"h": expected[1], "w": expected[2]}) <= RTOL
+
+
+def test_the_plain_loss_reaches_the_2d_nll_loss_kernel():
+    """Under deterministic mode on CUDA, ``nll_loss2d`` (4-D inputs) raises and the 2-D ``nll_loss`` does not:
+    the plain loss must hand F.cross_entropy 2-D logits, forward and backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.add(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    hidden, weight, labels = _logits_and_labels()
+    with Ops() as ops:
+        cross_entropy_sum(hidden @ weight, labels).backward()
+    assert {"nll_loss_forward", "nll_loss_backward"} <= ops.seen
+    assert not any(name.startswith("nll_loss2d") for name in ops.seen), ops.seen

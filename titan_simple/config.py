@@ -123,6 +123,12 @@ class Training:
     mixed_precision_reduce: str = option(
         "float32", "dtype gradients are reduced in across ranks.", choices=("float32", "bfloat16")
     )
+    expandable_segments: bool = option(
+        True, "CUDA: let the caching allocator grow segments in place instead of allocating new blocks "
+        "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before CUDA starts): less fragmentation as "
+        "activations and gathered weights change size. Left alone when PYTORCH_CUDA_ALLOC_CONF or "
+        "PYTORCH_ALLOC_CONF is already set. The dry run's allocator overhead was fitted on runs with it on."
+    )
 
 
 @dataclass
@@ -231,6 +237,25 @@ class Compile:
         "them instead of compiling, and one log line after step 1 says which. On a cluster, a folder every node "
         "can read. An explicit TORCHINDUCTOR_CACHE_DIR in the environment wins."
     )
+
+
+@dataclass
+class Comm:
+    init_timeout_seconds: int = option(
+        1800, "How long a collective waits for its peers until this process's first training step has ended "
+        "(and during the first validation of a compiled run): it must cover start-up, checkpoint loading and every "
+        "compile, which under pipeline parallel happen one stage after another while the other stages wait."
+    )
+    train_timeout_seconds: int = option(
+        600, "How long a collective waits for its peers after the first step: a rank that died or hung fails the "
+        "job within this time (NCCL: the watchdog aborts, and the flight recorder writes what each rank was doing)."
+    )
+    trace_buf_size: int = option(
+        20000, "NCCL flight recorder: how many collectives each rank remembers (0 turns it off). On a timeout every "
+        "rank writes them to <dump_folder>/<save_traces_folder>/rank_<rank>; `torchfrtrace <that folder>` shows "
+        "which ranks were stuck where. Left alone when TORCH_FR_BUFFER_SIZE / TORCH_NCCL_TRACE_BUFFER_SIZE is set."
+    )
+    save_traces_folder: str = option("comm_traces", "Flight recorder dump folder under dump_folder.")
 
 
 @dataclass
@@ -353,6 +378,7 @@ class JobConfig:
     parallelism: Parallelism = field(default_factory=Parallelism)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     compile: Compile = field(default_factory=Compile)
+    comm: Comm = field(default_factory=Comm)
     metrics: Metrics = field(default_factory=Metrics)
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     validation: Validation = field(default_factory=Validation)
@@ -615,6 +641,7 @@ def validate(config: JobConfig) -> None:
              "its w2; see regional_blocks)")
     _require(compile_config.regional_blocks >= 1, config, "compile", "regional_blocks", "an integer >= 1")
     _validate_pipeline(config)
+    _validate_comm(config)
     _validate_checkpoint(config)
     _validate_validation_and_profiling(config)
 
@@ -634,6 +661,15 @@ def _validate_validation_and_profiling(config: JobConfig) -> None:
     recorded = profiling.profiler_warmup + profiling.profiler_active
     _require(profiling.profile_freq >= recorded, config, "profiling", "profile_freq",
              f">= profiler_warmup + profiler_active = {recorded}")
+
+
+def _validate_comm(config: JobConfig) -> None:
+    comm = config.comm
+    _require(comm.init_timeout_seconds > 0, config, "comm", "init_timeout_seconds", "a positive number of seconds")
+    _require(comm.train_timeout_seconds > 0, config, "comm", "train_timeout_seconds", "a positive number of seconds")
+    _require(comm.trace_buf_size >= 0, config, "comm", "trace_buf_size", ">= 0 (0 turns the flight recorder off)")
+    _require(bool(comm.save_traces_folder) and not Path(comm.save_traces_folder).is_absolute(), config, "comm",
+             "save_traces_folder", "a relative folder name (it lives under [job] dump_folder)")
 
 
 def _validate_checkpoint(config: JobConfig) -> None:

@@ -49,7 +49,7 @@ import hashlib
 import json
 import logging
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -71,11 +71,13 @@ from titan_simple.parallel.simple_fsdp import data_parallel_group_names
 from titan_simple.parallel.torch_private import (
     CustomGraphPass,
     add_control_deps,
+    analytical_runtime_ms,
     async_tensor_parallel_options,
     manual_bucketing_only,
     manual_overlap_bucketing,
     prepare_compile,
-    schedule_overlap_bucketing,
+    rank_local_compile_options,
+    schedule_overlap_rank_local,
 )
 
 logger = logging.getLogger(__name__)
@@ -133,7 +135,8 @@ class _OverlapPass(CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         gm = graph.owning_module
         has_collectives = any(n.op == "call_function" and n.target in COLLECTIVE_KINDS for n in graph.nodes)
-        with cpu_roofline(self.estimator) if self.cpu else contextlib.nullcontext():
+        rates = self.estimator if isinstance(self.estimator, CpuRuntimeEstimator) else None
+        with cpu_roofline(rates) if self.cpu else contextlib.nullcontext():
             self._bucket_and_reorder(gm, has_collectives)
         self.recorder.add(graph)
 
@@ -167,19 +170,42 @@ class _OverlapPass(CustomGraphPass):
             groups = {
                 n.args[-1] for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_KINDS
             }
-            kwargs: dict[str, Any] = dict(
+            # Estimates every rank computes alike (``runtime_estimator``), analytical compute estimates, and no
+            # cross-rank alignment: Inductor's default benchmarks compute nodes and gathers the results over the
+            # world group in every compile, which deadlocks pipeline stages (they compile one after another) and
+            # ranks where one loaded the graph from the compile cache (torch_private: schedule_overlap_rank_local).
+            schedule_overlap_rank_local(
+                gm,
                 collective_bucketing=auto,
                 pre_bucketing_fsdp_collectives=False,
                 insert_overlap_deps=True,  # as for manual: keep the overlap in the generated code
                 bucket_only_internode_comms=len(groups) > 1,
+                custom_runtime_estimation=self.estimator,
+                compute_estimator="analytical",
+                collective_estimator="analytical",
             )
-            if self.estimator is not None:
-                kwargs.update(custom_runtime_estimation=self.estimator, compute_estimator="analytical")
-            schedule_overlap_bucketing(gm, **kwargs)
             gm.recompile()
 
 
 _CALIBRATED: CpuRuntimeEstimator | None = None
+RuntimeEstimator = Callable[[fx.Node, int | None], float | None]
+
+
+def runtime_estimator(cpu: bool) -> RuntimeEstimator:
+    """The overlap scheduler's runtime model, the same on every rank, so that every rank schedules its graph alike
+    without exchanging estimates while compiling. CPU: ``CpuRuntimeEstimator``, calibrated once per process when
+    the model is built (every rank together, with collectives: before any lazy compile). GPU: Inductor's own
+    analytical model without NCCL's simulator (``analytical_runtime_ms``)."""
+    if not cpu:
+        return analytical_runtime_ms
+    global _CALIBRATED
+    if _CALIBRATED is None:  # once per process: every rank calibrates together (collectives)
+        _CALIBRATED = CpuRuntimeEstimator.calibrate()
+        logger.info(
+            "compile: CPU runtime model: collective %.3f ms + bytes / %.1f MB/s, matmul %.1f GFLOP/s",
+            _CALIBRATED.latency_ms, _CALIBRATED.bytes_per_ms / 1e3, _CALIBRATED.flops_per_ms / 1e6,
+        )
+    return _CALIBRATED
 
 
 def known_problem(bucketing: str, reorder: bool, cpu: bool) -> str | None:
@@ -222,8 +248,12 @@ class CompilePlan:
 
     def inductor_options(self) -> dict[str, Any]:
         """The Inductor settings of this compile that do not depend on the graph (``compile_model`` adds its
-        post-grad pass): async tensor parallel's pass."""
-        return async_tensor_parallel_options() if self.async_tensor_parallel and self.backend == "inductor" else {}
+        post-grad pass): the ones that keep a compile from talking to other ranks (``rank_local_compile_options``:
+        pipeline stages compile one after another), and async tensor parallel's pass."""
+        if self.backend != "inductor":
+            return {}
+        return {**rank_local_compile_options(),
+                **(async_tensor_parallel_options() if self.async_tensor_parallel else {})}
 
     @property
     def enabled(self) -> bool:
@@ -367,15 +397,8 @@ def compile_model(
     if (problem := known_problem(bucketing, reorder, cpu)) is not None:
         warnings.warn(problem, stacklevel=2)
     needs_estimates = bucketing == "auto" or (bucketing == "none" and reorder)
-    if needs_estimates and cpu:
-        global _CALIBRATED
-        if _CALIBRATED is None:  # once per process: every rank calibrates together (collectives)
-            _CALIBRATED = CpuRuntimeEstimator.calibrate()
-        estimator = _CALIBRATED
-        logger.info(
-            "compile: CPU runtime model: collective %.3f ms + bytes / %.1f MB/s, matmul %.1f GFLOP/s",
-            estimator.latency_ms, estimator.bytes_per_ms / 1e3, estimator.flops_per_ms / 1e6,
-        )
+    if needs_estimates:
+        estimator = runtime_estimator(cpu)
     settings = {"bucketing": bucketing, "reorder": reorder, "plan": plan}
     recorder = CommPlanRecorder(dump_folder, settings)
     # Regional compilation (modules=...): a region's last gradient reduction can wait at its graph's end.
@@ -386,7 +409,7 @@ def compile_model(
         recorder.store = comm_plan_store(fingerprint, overlap_pass.uuid(), rank)
     # One options dict (one pass object) for every module: Dynamo then reuses one module's compiled code for
     # another of the same class whose guards pass (regional compilation), instead of compiling it again.
-    options = {**(extra_options or {}), "post_grad_custom_post_pass": overlap_pass}
+    options = {**rank_local_compile_options(), **(extra_options or {}), "post_grad_custom_post_pass": overlap_pass}
     for module in modules:
         module.compile(backend=backend, fullgraph=fullgraph, options=options)
     recorder.compile_options = options

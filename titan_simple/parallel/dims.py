@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan_simple.errors import ConfigError
@@ -92,6 +93,17 @@ class ParallelDims:
         if len(dp_names) == 2:
             flatten_mesh(mesh[dp_names], "dp")
         return mesh
+
+    def process_groups(self, mesh: DeviceMesh | None) -> list[ProcessGroup]:
+        """This rank's process group of every mesh dimension (and of the flattened ``dp``), each once: what the
+        run's collectives use besides the default group (``train/distributed.py`` sets their timeouts)."""
+        if mesh is None:
+            return []
+        names = list(self.enabled_dims)
+        if "dp_replicate" in names and "dp_shard" in names:
+            names.append("dp")
+        groups = [mesh[name].get_group() for name in names]
+        return list({id(group): group for group in groups}.values())
 
     @cached_property
     def describe(self) -> str:

@@ -14,23 +14,27 @@ Where a private API is a method or a config key, a small function wraps it.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import operator
 import warnings
 
 import torch
+import torch._dynamo.config as dynamo_config
 import torch._functorch.config as functorch_config
 import torch._functorch.partitioners as partitioners
 import torch._inductor.config as inductor_config
+import torch._inductor.config_comms as inductor_comms_config
 import torch._ops
 import torch._prims.rng_prims as rng_prims
 import torch.distributed._symmetric_memory as symmetric_memory
+import torch.distributed.distributed_c10d as c10d
 import torch.distributed.tensor.placement_types as placement_types
 import torch.utils._pytree as pytree
 import torch.utils._runtime_estimation as runtime_estimation
 from torch._dynamo.utils import counters
 from torch._functorch._aot_autograd import graph_compile
-from torch._inductor import custom_graph_pass
+from torch._inductor import comm_analysis, custom_graph_pass
 from torch._inductor import utils as inductor_utils
 from torch._inductor.fx_passes import (
     control_dependencies,
@@ -74,6 +78,27 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
      "manual_bucketing_only (compile.py): called by _manual_bucket_collectives, maps our plan to nodes"),
     (overlap_scheduling, "schedule_overlap_bucketing",
      "compile.py: 'auto' bucketing, and reordering with bucketing 'none'"),
+    (overlap_scheduling, "OverlapScheduler",
+     "schedule_overlap_rank_local: the scheduler class schedule_overlap_bucketing builds, swapped for ours"),
+    (overlap_scheduling.OverlapScheduler, "_align_compute_nodes_runtime_estimations_across_all_distributed_ranks",
+     "schedule_overlap_rank_local: overridden, as it gathers estimates over the world / asks NCCL's simulator"),
+    (overlap_scheduling, "estimate_roofline_runtime_ms",
+     "analytical_runtime_ms (GPU): Inductor's roofline estimate of a non-collective node"),
+    (comm_analysis, "estimate_nccl_collective_runtime_from_fx_node",
+     "analytical_runtime_ms (GPU): Inductor's NCCL formula for a collective, without NCCL's simulator"),
+    (inductor_config, "distributed_max_autotune_gemm",
+     "compile.py: pinned off (it makes a world group and gathers autotune results over it while compiling)"),
+    (dynamo_config, "enable_compiler_collectives",
+     "cross_rank_compile_settings: Dynamo's compile-time collectives over all ranks (deadlock under pp)"),
+    (functorch_config, "_sync_decision_cross_ranks",
+     "cross_rank_compile_settings: the partitioner's all_gather_object over all ranks"),
+    (inductor_comms_config, "runtime_estimations_align_across_all_distributed_ranks",
+     "cross_rank_compile_settings: the scheduler's all_gather_object over all ranks"),
+    (c10d, "_set_pg_timeout", "set_process_group_timeout (train/distributed.py): the training timeout"),
+    (c10d, "_get_default_group", "process_group_timeout_seconds: the default group, to read its timeout"),
+    (c10d.ProcessGroup, "_get_backend", "process_group_timeout_seconds: the group's gloo / NCCL backend"),
+    (c10d.ProcessGroupGloo._Options, "_timeout",
+     "process_group_timeout_seconds: a backend's current timeout (Backend.Options._timeout, NCCL's too)"),
     (overlap_scheduling, "is_compute_node",
      "comm_plan.py / cpu_cost_model.py: Inductor's own test for a compute node"),
     (control_dependencies, "control_deps",
@@ -131,7 +156,16 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
 def add_control_deps(graph: torch.fx.Graph, deps: dict[torch.fx.Node, list[torch.fx.Node]]) -> None:
     """Make each node of ``deps`` run after the nodes it maps to, in Inductor's generated code, as
     ``insert_overlap_deps`` does (``preserve_node_ordering`` wraps a node in ``control_deps(deps, subgraph,
-    *inputs)``). A node that is already wrapped gets the extra dependencies added to its wrapper's ``deps``."""
+    *inputs)``). A node that is already wrapped gets the extra dependencies added to its wrapper's ``deps``.
+
+    Any node kind is safe, multi-output and SymInt-returning ones included (CUDA's flash SDPA returns 9 values,
+    2 of them SymInts): the subgraph returns the node's whole value, Inductor lowers it inline with the same
+    lowering as the bare node (lowering.py:8685-8717, process_subgraph_nodes) and realizes only the IR nodes among
+    the deps (SymInt leaves are skipped); ``tests/test_compile.py`` checks such a node, static and dynamic. What
+    wrapping can cost is fusion: the wrapper realizes its deps and pins an order fusion must respect (pytorch
+    issue 186084: a LayerNorm fusion split in two, bf16 results shifted). Ours, like torch's own
+    ``insert_overlap_deps``, pins only matmul-like compute and collective starts / waits, whose outputs are
+    buffers anyway; a GPU run has yet to compare bf16 losses with and without."""
     fresh = {}
     for node, after in deps.items():
         if node.target is control_deps:
@@ -315,3 +349,104 @@ def _functionalize_rng_ops_before_opaque(joint_module, fw_module, bw_module, num
 
 def _fix_rng_functionalization_with_opaque_saved_values() -> None:
     partitioners.functionalize_rng_ops = _functionalize_rng_ops_before_opaque
+# --- compiling without cross-rank synchronization (pipeline parallel deadlock, issue 30) ----------------------
+#
+# Pipeline stages compile lazily, one after the other, while the ranks of the other stages wait in a P2P receive:
+# a compile may only talk to its own stage's process groups. What torch 2.13 would otherwise do while compiling
+# (read in its source; every one is off by default or avoided here):
+# * overlap_scheduling.py:826-850: OverlapScheduler._align_compute_nodes_runtime_estimations_across_all_
+#   distributed_ranks runs dist.all_gather_object over the default (world) group unless both estimators are
+#   "analytical" (schedule_overlap_bucketing's default compute_estimator is "benchmark"). Analytical, it still
+#   logs every collective's estimate through comm_analysis.estimate_nccl_collective_runtime_from_fx_node with
+#   use_nccl_estimator=True (node_runtime_estimation.py:72-87, 415), which on an NCCL group runs the collective
+#   under dist._time_estimator (comm_analysis.py:845-890): a ProcessGroupNCCL call during the compile.
+#   schedule_overlap_rank_local overrides that method; our estimators price every node themselves.
+# * align_estimations_across_ranks (overlap_scheduling.py:1788) and comms.align_runtime_estimations_across_all_
+#   distributed_ranks (comms.py:42; scheduler.py:4194, only with reorder_for_compute_comm_overlap and
+#   config_comms.runtime_estimations_align_across_all_distributed_ranks): all_gather_object over the world.
+# * distributed_autotune.py:60-80, 199 (distributed_max_autotune_gemm): a new world group and an
+#   all_gather_object while compiling. Pinned off per compile (compile.py).
+# * post_grad.py:285-291 (aten_distributed_optimizations.spmd_check) and :391 (enable_overlap_scheduling, whose
+#   default estimator benchmarks and aligns over the world): pinned off per compile (compile.py).
+# * _functorch/partitioners.py:3479-3560 (_sync_decision_cross_ranks) and _dynamo/distributed.py:26 + convert_
+#   frame.py:1956 (enable_compiler_collectives, env TORCH_COMPILER_COLLECTIVES=1): world collectives; refused
+#   under pipeline parallel (cross_rank_compile_settings, train/plan.py).
+# * The manual path (overlap_manual_scheduling.py:220-300): ManualOverlapScheduler passes a zero estimator for
+#   every collective, skips the baseline memory pass and its run() never calls the alignment: no collective.
+# * bucketing.py:1531 (dist.get_rank of a group) and comm_analysis's group sizes are local queries.
+
+
+class _RankLocalOverlapScheduler(overlap_scheduling.OverlapScheduler):
+    """Inductor's overlap scheduler without its cross-rank step (see above)."""
+
+    def _align_compute_nodes_runtime_estimations_across_all_distributed_ranks(self) -> None:
+        """Keep the estimates gathered at construction: every rank computes the same ones (ours are derived from
+        shapes and rates every rank shares), so there is nothing to align, and nothing is sent to anyone."""
+
+
+def schedule_overlap_rank_local(gm: torch.fx.GraphModule, **kwargs) -> None:
+    """``schedule_overlap_bucketing(gm, **kwargs)`` with ``_RankLocalOverlapScheduler`` as its scheduler class:
+    no collective, object collective or NCCL call while it runs. ``kwargs`` must name a
+    ``custom_runtime_estimation`` that prices every collective, and ``compute_estimator="analytical"``."""
+    if kwargs.get("compute_estimator") != "analytical" or kwargs.get("custom_runtime_estimation") is None:
+        raise ValueError("schedule_overlap_rank_local needs compute_estimator='analytical' and an estimator.")
+    saved = overlap_scheduling.OverlapScheduler
+    overlap_scheduling.OverlapScheduler = _RankLocalOverlapScheduler
+    try:
+        schedule_overlap_bucketing(gm, **kwargs)
+    finally:
+        overlap_scheduling.OverlapScheduler = saved
+
+
+def analytical_runtime_ms(node: torch.fx.Node, override_size: int | None = None) -> float | None:
+    """Inductor's own analytical estimate of ``node`` in ms, as its scheduler computes it without a custom
+    estimator, but never asking NCCL: a collective from its NCCL formula (bytes, group size, kind; a local
+    computation), any other op from the roofline model. The same on every rank of one GPU type."""
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if (isinstance(target, torch._ops.OpOverload) and target.namespace == "_c10d_functional"
+            and target is not torch.ops._c10d_functional.wait_tensor.default):
+        return comm_analysis.estimate_nccl_collective_runtime_from_fx_node(
+            node, override_size, use_nccl_estimator=False)
+    return overlap_scheduling.estimate_roofline_runtime_ms(node)
+
+
+def rank_local_compile_options() -> dict[str, bool]:
+    """Inductor settings (for ``torch.compile(options=...)``, this compile only) pinned off because each makes a
+    compile talk to every rank: distributed GEMM autotuning, Inductor's own overlap scheduling (its default
+    estimator benchmarks and aligns over the world) and its SPMD graph check."""
+    return {"distributed_max_autotune_gemm": False,
+            "aten_distributed_optimizations.enable_overlap_scheduling": False,
+            "aten_distributed_optimizations.spmd_check": False,
+            "reorder_for_compute_comm_overlap": False}
+
+
+def cross_rank_compile_settings() -> list[str]:
+    """The settings now on (not in ``rank_local_compile_options``) that make every compile run collectives over
+    all ranks, by the name a user sets them with."""
+    found = []
+    if dynamo_config.enable_compiler_collectives:
+        found.append("TORCH_COMPILER_COLLECTIVES=1 (torch._dynamo.config.enable_compiler_collectives)")
+    if functorch_config._sync_decision_cross_ranks:
+        found.append("torch._functorch.config._sync_decision_cross_ranks")
+    if inductor_comms_config.runtime_estimations_align_across_all_distributed_ranks:
+        found.append("torch._inductor.config_comms.runtime_estimations_align_across_all_distributed_ranks")
+    return found
+
+
+# --- process groups -------------------------------------------------------------------------------------------
+
+
+def set_process_group_timeout(group: torch.distributed.ProcessGroup | None, seconds: float) -> None:
+    """Change the timeout of ``group`` (None: the default group) for the collectives issued from now on. torch
+    2.13 has no public API for it (``distributed_c10d._set_pg_timeout``: NCCL and gloo backends)."""
+    c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+
+def process_group_timeout_seconds(group: torch.distributed.ProcessGroup | None = None) -> float:
+    """The timeout ``group``'s backend applies now (None: the default group), for checks and logs (gloo:
+    ``ProcessGroupGloo.options.timeout``; NCCL: the same option, ``ProcessGroupNCCL.options``)."""
+    group = group or c10d._get_default_group()
+    backend = group._get_backend(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    return backend.options._timeout.total_seconds()

@@ -8,6 +8,20 @@ This is the only place the loss is written. The training step calls it for a mod
 and keeps fp32 log-probabilities for backward, then builds their fp32 gradient: at Llama 3's 128K vocabulary
 and 8192 tokens that is ~4 GB per copy. ``chunked_cross_entropy_sum`` goes through the tokens a chunk at a time
 and keeps only the gradient of the logits, in their own dtype.
+
+**Deterministic mode** (``[training] deterministic``, ``torch.use_deterministic_algorithms(True)``) on CUDA, read
+in torch 2.13 (no GPU has run it): both losses are deterministic and raise nothing.
+
+* The plain loss calls ``F.cross_entropy`` on 2-D ``[tokens, vocab]`` logits, which reaches ``aten.nll_loss``
+  (``tests/test_loss.py`` checks it never reaches ``nll_loss2d``). The "NLLLoss when called on a CUDA tensor" entry
+  of the raising list (torch/__init__.py:1459) is ``nll_loss2d`` (4-D inputs, atomicAdd in its reduction; torch's
+  own ``test_nondeterministic_alert_NLLLoss`` feeds a 4-D input and expects "nll_loss2d_forward_out_cuda_template").
+  The 2-D kernels (aten/src/ATen/native/cuda/Loss.cu, read in pytorch's source) reduce in one block and write
+  one gradient entry per row: no atomics, no alert. Compiled, Inductor falls back to the ATen kernels of
+  scatter-like ops in deterministic mode (torch/_inductor/utils.py:3693 use_scatter_fallback, lowering.py:4688).
+* The chunked loss's ``scatter_add_`` (one index per row) is on the list of ops that switch to a deterministic
+  implementation (torch/__init__.py:1426), its ``gather`` runs without autograd (inside the Function's forward),
+  and logsumexp / exp are plain reductions and pointwise ops.
 """
 
 from __future__ import annotations

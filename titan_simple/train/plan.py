@@ -36,6 +36,7 @@ from titan_simple.parallel.compile import CompilePlan
 from titan_simple.parallel.dims import ParallelDims, validate_parallelism
 from titan_simple.parallel.parallelize import ParallelPlan
 from titan_simple.parallel.pipeline import ZERO_BUBBLE_SCHEDULES, PipelinePlan, plan_pipeline
+from titan_simple.parallel.torch_private import cross_rank_compile_settings
 from titan_simple.train.batching import accumulation_steps
 from titan_simple.train.loss import LossPlan
 
@@ -395,6 +396,7 @@ def choose_compile_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str
     compile_config, parallelism = config.compile, config.parallelism
     if not compile_config.enable:
         return "off"
+    check_compiles_stay_in_their_stage(dims)
     schedule = parallelism.pipeline_parallel_schedule
     per_block_because = None
     if parallelism.fsdp_implementation != "simple":
@@ -415,6 +417,17 @@ def choose_compile_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str
     if compile_config.regional:
         return "regional"
     return "whole_with_loss" if dims.pp == 1 and dims.tp == 1 else "whole"
+
+
+def check_compiles_stay_in_their_stage(dims: ParallelDims) -> None:
+    """Pipeline stages compile one after another while the other stages wait in a receive, so a compile must not
+    run collectives over all ranks. The settings that make it do so (an environment variable or torch config a user
+    set; ``parallel/torch_private.cross_rank_compile_settings``) stop the run here instead of deadlocking it."""
+    if dims.pp > 1 and (settings := cross_rank_compile_settings()):
+        raise ConfigError(
+            f"[compile] enable under pipeline parallel: {', '.join(settings)} makes every compile run collectives "
+            "over all ranks, which deadlocks pipeline stages (they compile one after another); turn it off."
+        )
 
 
 def choose_async_tensor_parallel(config: JobConfig, dims: ParallelDims, device_type: str) -> bool:

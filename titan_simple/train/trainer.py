@@ -18,7 +18,13 @@ from titan_simple.parallel.compile_cache import describe_compile_cache, use_comp
 from titan_simple.parallel.dims import dp_rank_and_size
 from titan_simple.train.build import build_model_parts
 from titan_simple.train.checkpoint import CheckpointManager, TrainProgress
-from titan_simple.train.distributed import DistInfo, init_process_group, read_launch_environment
+from titan_simple.train.distributed import (
+    DistInfo,
+    init_process_group,
+    prepare_process_environment,
+    read_launch_environment,
+    set_timeouts,
+)
 from titan_simple.train.metrics import (
     MemoryMonitor,
     MetricsLogger,
@@ -51,17 +57,27 @@ class Trainer:
         self.plan = resolve_plan(config, self.dist.world_size, self.device.type)
         self.dims = self.plan.dims
         self.gradient_accumulation_steps = self.plan.accumulation_steps
-        for line in self.plan.describe():
+        # Before CUDA starts and before the process group exists: torch reads these variables once.
+        for line in [*self.plan.describe(), *prepare_process_environment(config, self.device.type)]:
             logger.info(line)
         if self.plan.compile.enabled:  # before anything compiles: torch reads the folder once
             use_compile_cache(self.plan.compile.cache_dir)
         self.tokenizer = Tokenizer(resolve_project_path(config.model.tokenizer_path))  # fails fast on a bad path
         check_vocabulary(config, self.tokenizer.vocab_size)
-        init_process_group(self.dist)
-        torch.manual_seed(training.seed)
         if training.deterministic:
+            # Before the process group: ProcessGroupNCCL's constructor disables NCCL's NVLS algorithms (whose
+            # reductions are not deterministic) only when deterministic mode is already on (read in pytorch's
+            # ProcessGroupNCCL.cpp constructor, "If deterministic mode is enabled ... NCCL_ALGO=^NVLS"; the CPU
+            # wheel of 2.13 ships no CUDA library to confirm it in).
             torch.use_deterministic_algorithms(True)
+        init_process_group(self.dist, config.comm.init_timeout_seconds)
+        torch.manual_seed(training.seed)
         self.mesh = self.dims.build_mesh(self.device.type)
+        # The mesh's groups start with torch's default timeout, not the default group's: give them the start-up one.
+        self.process_groups = self.dims.process_groups(self.mesh)
+        set_timeouts(self.process_groups, config.comm.init_timeout_seconds)
+        self._start_up_timeout = True  # until the first step has ended on every rank (train())
+        self._validated = False
         self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh, self.dims)
 
         self.dataloader = build_dataloader(
@@ -143,6 +159,17 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ loop
 
+    def _validate(self) -> dict[str, float]:
+        """One validation. The first one of a compiled run compiles the forward-only graphs (under pipeline
+        parallel one stage after another, while the other stages wait): it runs under the start-up timeout, until
+        the step's closing all-reduce shows every rank is done with it."""
+        assert self.validator is not None
+        if self.plan.compile.enabled and not self._validated:
+            set_timeouts(self.process_groups, self.config.comm.init_timeout_seconds)
+            self._start_up_timeout = True
+        self._validated = True
+        return self.validator.validate()
+
     def _request_stop(self, signum: int, _frame: Any) -> None:
         logger.warning("received %s: stopping after this step", signal.Signals(signum).name)
         self._stop_signal = self._stop_signal or signum
@@ -211,9 +238,12 @@ class Trainer:
                 self.profiler.step(self.step)  # before validation: traces show training steps only
                 if self.validator is not None and self.validator.due(self.step, steps):
                     with timer.excluded():  # not part of the training throughput
-                        self.metrics.log(self.step, self.validator.validate(), total_steps=steps)
+                        self.metrics.log(self.step, self._validate(), total_steps=steps)
                 self.checkpoint.save(self._progress(), last=self.step == steps)
                 stop_signal = self._stop_signal_of_any_rank()
+                if self._start_up_timeout:  # every rank got past this step's all-reduce: none is still compiling
+                    set_timeouts(self.process_groups, self.config.comm.train_timeout_seconds)
+                    self._start_up_timeout = False
                 if stop_signal is not None:
                     self.checkpoint.save(self._progress(), force=True)  # nothing to do if this step just saved
                     logger.warning("stopped at step %d of %d on request", self.step, steps)
