@@ -21,7 +21,7 @@ from tests.distributed_utils import run_on_ranks_retrying_aborts
 from tests.parity import Recipe, build_layout, train_steps
 from titan_simple.config import load_job_config
 from titan_simple.errors import ConfigError
-from titan_simple.parallel.torch_private import async_tensor_parallel_options
+from titan_simple.parallel.torch_private import async_tensor_parallel_options, rank_local_compile_options
 from titan_simple.train.plan import resolve_plan
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
@@ -35,10 +35,11 @@ def _config(*overrides: str):
 def test_plan_switches_async_tp_on_for_every_compile_of_a_gpu_run():
     run = resolve_plan(_config(*TP2, "--compile.enable", "--parallelism.enable_async_tensor_parallel"), 2, "cuda")
     assert run.compile.async_tensor_parallel
-    assert run.compile.inductor_options() == async_tensor_parallel_options() == {"_micro_pipeline_tp": True}
+    assert async_tensor_parallel_options() == {"_micro_pipeline_tp": True}
+    assert run.compile.inductor_options() == {**rank_local_compile_options(), "_micro_pipeline_tp": True}
     assert any(line.startswith("  compile:") and line.endswith(", async TP") for line in run.describe())
     off = resolve_plan(_config(*TP2, "--compile.enable"), 2, "cuda")
-    assert not off.compile.async_tensor_parallel and off.compile.inductor_options() == {}
+    assert not off.compile.async_tensor_parallel and off.compile.inductor_options() == rank_local_compile_options()
 
 
 @pytest.mark.parametrize(("overrides", "device", "missing"), [
