@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from titan_simple.parallel.torch_private import use_one_gloo_worker_thread
+
 
 def free_port() -> int:
     """A free TCP port on 127.0.0.1 (bound once and released, so another process may still take it first)."""
@@ -69,6 +71,7 @@ def _worker(fn, rank, world_size, store_path, args, kwargs, results, threads):
     torch.set_num_threads(threads)
     ok = False
     try:
+        use_one_gloo_worker_thread()  # as the trainer's processes do (titan_simple.train.distributed)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args, **kwargs)

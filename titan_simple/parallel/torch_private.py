@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import logging
 import operator
+import os
 import warnings
 
 import torch
@@ -95,6 +96,9 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
     (inductor_comms_config, "runtime_estimations_align_across_all_distributed_ranks",
      "cross_rank_compile_settings: the scheduler's all_gather_object over all ranks"),
     (c10d, "_set_pg_timeout", "set_process_group_timeout (train/distributed.py): the training timeout"),
+    (c10d, "ProcessGroupGloo",
+     "use_one_gloo_worker_thread: the class _new_process_group_helper builds every gloo group from"),
+    (torch.distributed.ProcessGroupGloo, "_Options", "use_one_gloo_worker_thread: gloo's options with threads"),
     (c10d, "_get_default_group", "process_group_timeout_seconds: the default group, to read its timeout"),
     (c10d.ProcessGroup, "_get_backend", "process_group_timeout_seconds: the group's gloo / NCCL backend"),
     (c10d.ProcessGroupGloo._Options, "_timeout",
@@ -442,6 +446,36 @@ def set_process_group_timeout(group: torch.distributed.ProcessGroup | None, seco
     """Change the timeout of ``group`` (None: the default group) for the collectives issued from now on. torch
     2.13 has no public API for it (``distributed_c10d._set_pg_timeout``: NCCL and gloo backends)."""
     c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+
+class _OneWorkerThreadGloo(torch.distributed.ProcessGroupGloo):
+    """A gloo backend that runs its collectives on one worker thread instead of torch's two (see below)."""
+
+    def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta = datetime.timedelta(minutes=30)):
+        base = torch.distributed.ProcessGroupGloo
+        options = base._Options()
+        options._timeout = timeout
+        # As torch's own constructor does (init.cpp): one tcp device per interface in GLOO_SOCKET_IFNAME, else the
+        # default one; torch then starts 2 worker threads per device, we start 1.
+        interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
+        options._devices = ([base.create_device(interface=name) for name in interfaces] if interfaces
+                            else [base.create_default_device()])
+        options._threads = len(options._devices)
+        super().__init__(store, rank, size, options)
+
+
+def use_one_gloo_worker_thread() -> None:
+    """Make every gloo process group created from now on (``init_process_group``, ``new_group``, a DeviceMesh's
+    groups) run its collectives on one worker thread.
+
+    Why: with torch's default two worker threads, two asynchronous collectives of one group run at the same time
+    on one gloo context, and a rank aborts now and then with heap corruption (``malloc(): unaligned tcache chunk
+    detected``): a small heap chunk freed on one worker thread is in use on the other (docs/benchmarks.md "Aborts in
+    compiled multi-rank jobs"; scripts/repro_gloo_abort.py). One thread per group runs them one after another,
+    as gloo executes them anyway on a 2-core machine. torch 2.13 sets the thread count only through
+    ``ProcessGroupGloo._Options._threads``; ``distributed_c10d`` builds every gloo group from its module-level
+    ``ProcessGroupGloo`` name, which this replaces with a subclass (``isinstance`` checks still hold)."""
+    c10d.ProcessGroupGloo = _OneWorkerThreadGloo
 
 
 def process_group_timeout_seconds(group: torch.distributed.ProcessGroup | None = None) -> float:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.distributed.tensor  # noqa: F401 -- registers the _c10d_functional ops activation_checkpoint names
 
 from titan_simple.config import load_job_config
+from titan_simple.parallel.torch_private import use_one_gloo_worker_thread
 from titan_simple.planning import measuring
 from titan_simple.planning.trace import StepTracer, ignoring_shape_propagation
 from titan_simple.train.build import build_model_parts
@@ -52,6 +53,7 @@ def measure_rates(world_size: int) -> dict[str, float]:
 def measure_worker(rank: int, world_size: int, argv: list[str], out_path: str, steps: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    use_one_gloo_worker_thread()  # as the trainer does (train/distributed.py)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         result = _measure(rank, world_size, argv, steps)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from titan_simple.parallel.torch_private import set_process_group_timeout
+from titan_simple.parallel.torch_private import set_process_group_timeout, use_one_gloo_worker_thread
 
 if TYPE_CHECKING:
     from titan_simple.config import JobConfig
@@ -58,9 +58,12 @@ def read_launch_environment() -> DistInfo:
 def init_process_group(info: DistInfo, timeout_seconds: int = 1800) -> None:
     """Join the process group. The timeout bounds how long a collective of the default group waits for a dead
     peer, so a crashed rank makes the others fail within it rather than hang forever; the mesh's groups get theirs
-    from ``set_timeouts`` (torch gives a new group its backend's default, 10 min for NCCL, not this one)."""
+    from ``set_timeouts`` (torch gives a new group its backend's default, 10 min for NCCL, not this one). Gloo
+    groups run their collectives on one worker thread (``use_one_gloo_worker_thread``: two abort now and then)."""
     if info.device.type == "cuda":
         torch.cuda.set_device(info.device)
+    else:
+        use_one_gloo_worker_thread()
     if info.world_size > 1 and not dist.is_initialized():
         dist.init_process_group(
             backend="nccl" if info.device.type == "cuda" else "gloo",
