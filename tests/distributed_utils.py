@@ -53,20 +53,6 @@ class RankFailed(RuntimeError):
     """A rank raised or died; the message holds each failing rank's traceback or exit code."""
 
 
-def run_on_ranks_retrying_aborts(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = ()) -> list[Any]:
-    """``run_on_ranks``, run once more if a rank was killed by SIGABRT without reporting. Only for compiled
-    multi-rank jobs on CPU: Inductor-generated CPU code now and then aborts a rank with heap corruption (torch
-    2.13, gloo; docs/benchmarks.md keeps the crash history), which is not what these tests check. A wrong
-    number, an exception or a second abort still fails."""
-    try:
-        return run_on_ranks(fn, world_size, args=args)
-    except RankFailed as failure:
-        if "did not report (exit code -6)" not in str(failure):
-            raise
-        print(f"a rank aborted (SIGABRT), running the job once more:\n{failure}")
-        return run_on_ranks(fn, world_size, args=args)
-
-
 def _worker(fn, rank, world_size, store_path, args, kwargs, results, threads):
     torch.set_num_threads(threads)
     ok = False

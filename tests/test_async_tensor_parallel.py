@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.distributed_utils import run_on_ranks_retrying_aborts
+from tests.distributed_utils import run_on_ranks
 from tests.parity import Recipe, build_layout, train_steps
 from titan_simple.config import load_job_config
 from titan_simple.errors import ConfigError
@@ -81,7 +81,7 @@ def _compiled_graph_matches(rank: int, world_size: int) -> list[tuple[int, int]]
 
 @pytest.mark.slow
 def test_dry_run_prices_exactly_the_collectives_inductor_would_fuse(tmp_path):
-    compiled = run_on_ranks_retrying_aborts(_compiled_graph_matches, world_size=2)[0]
+    compiled = run_on_ranks(_compiled_graph_matches, world_size=2)[0]
     # Forward: every all-gather (6 blocks x attention + feed-forward, and the output projection) and every
     # reduce-scatter but the embedding's; backward: the gradient all-gathers but one, and one reduce-scatter
     # (the others reduce sums of matmuls: the column-parallel layers' input gradients).

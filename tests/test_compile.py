@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tests.distributed_utils import run_on_ranks_retrying_aborts
+from tests.distributed_utils import run_on_ranks
 from tests.inductor_code import overlap_in_generated_code
 from tests.parity import COMPILED_RTOL
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, Transformer
@@ -175,7 +175,7 @@ def _first_index(colls, kind, module_prefix):
 def test_bucketing_and_reordering(tmp_path):
     settings = [("none", False), ("none", True), ("transformer_block", False), ("transformer_block", True),
                 ("auto", True)]
-    results = run_on_ranks_retrying_aborts(_train_settings, world_size=2, args=(settings, str(tmp_path)))
+    results = run_on_ranks(_train_settings, world_size=2, args=(settings, str(tmp_path)))
     res = results[0]
     n_buckets = len(["tok_embeddings", *[f"layers.{i}" for i in range(N_LAYERS)], "norm+output"])
     n_params = sum(1 for _ in Transformer(dataclasses.replace(_args(), max_seq_len=SEQ_LEN)).parameters())
@@ -269,7 +269,7 @@ def test_bucketing_and_reordering_on_dp2_tp2_match_none():
     # reorder on / off for each bucketing is covered on the 1-D mesh (test_bucketing_and_reordering); here the
     # settings that bucket differently, to keep the 4-process compile time down.
     settings = [("none", False), ("transformer_block", True), ("auto", True)]
-    res = run_on_ranks_retrying_aborts(_train_settings_dp_tp, world_size=4, args=(settings,))[0]
+    res = run_on_ranks(_train_settings_dp_tp, world_size=4, args=(settings,))[0]
     ref = torch.tensor(res["none"]["losses"], dtype=torch.float64)
     assert torch.isfinite(ref).all() and len(set(res["none"]["losses"])) == STEPS, res["none"]
     for key, r in res.items():

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from tests.distributed_utils import run_on_ranks_retrying_aborts
+from tests.distributed_utils import run_on_ranks
 from tests.parity import Recipe, build_layout, train_steps
 
 RECIPE = Recipe(seq_len=32, global_batch=4, steps=1, extra=("--model.n_layers=2",))
@@ -150,7 +150,7 @@ def _compile_every_setting(rank: int, world_size: int) -> dict[str, dict]:
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict]:
-    return run_on_ranks_retrying_aborts(_compile_every_setting, 4)
+    return run_on_ranks(_compile_every_setting, 4)
 
 
 @pytest.mark.slow

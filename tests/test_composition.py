@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed_utils import run_on_ranks_retrying_aborts
+from tests.distributed_utils import run_on_ranks
 from tests.parity import COMPILED_RTOL, EAGER_RTOL, SHARDED_NORM_RTOL, build_layout, train_steps
 from tests.test_pipeline import (
     GLOBAL_BATCH,
@@ -81,12 +81,12 @@ def reference() -> dict:
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict]:
-    return run_on_ranks_retrying_aborts(_run_configs, 4, args=(FOUR_RANK_CONFIGS,))  # compiled cases
+    return run_on_ranks(_run_configs, 4, args=(FOUR_RANK_CONFIGS,))
 
 
 @pytest.fixture(scope="module")
 def eight_ranks() -> list[dict]:
-    return run_on_ranks_retrying_aborts(_run_configs, 8, args=(EIGHT_RANK_CONFIGS,))  # compiled cases
+    return run_on_ranks(_run_configs, 8, args=(EIGHT_RANK_CONFIGS,))
 
 
 def _rtol(key: str) -> float:

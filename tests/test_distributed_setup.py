@@ -121,7 +121,7 @@ def test_comm_keys_are_checked(tmp_path, key, value):
 
 def _timeouts_of_every_group(rank: int, world_size: int) -> list[list[float]]:
     from titan_simple.parallel.dims import ParallelDims
-    from titan_simple.parallel.torch_private import process_group_timeout_seconds
+    from titan_simple.parallel.torch_private import gloo_worker_threads, process_group_timeout_seconds
     from titan_simple.train.distributed import set_timeouts
 
     dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=1, pp=1, world_size=world_size)
@@ -131,7 +131,7 @@ def _timeouts_of_every_group(rank: int, world_size: int) -> list[list[float]]:
     def read() -> list[float]:
         return [process_group_timeout_seconds(g) for g in [None, *groups]]
 
-    seen = [[float(len(groups))], read()]
+    seen = [[float(len(groups))], [float(gloo_worker_threads(g)) for g in [None, *groups]], read()]
     set_timeouts(groups, 1234)
     seen.append(read())
     set_timeouts(groups, 77)
@@ -142,9 +142,10 @@ def _timeouts_of_every_group(rank: int, world_size: int) -> list[list[float]]:
 @pytest.mark.slow
 def test_timeouts_reach_the_default_group_and_every_mesh_group():
     """torch gives a new group its backend's default timeout (gloo 30 min, NCCL 10 min), not the default group's;
-    set_timeouts reaches all of them."""
-    for count, initial, start_up, training in run_on_ranks(_timeouts_of_every_group, 4):
+    set_timeouts reaches all of them. Every group, the mesh's included, runs gloo on one worker thread."""
+    for count, threads, initial, start_up, training in run_on_ranks(_timeouts_of_every_group, 4):
         assert count == [3.0]
+        assert threads == [1.0] * 4
         assert initial[1:] == [1800.0, 1800.0, 1800.0]  # gloo's default for new groups
         assert start_up == [1234.0] * 4
         assert training == [77.0] * 4

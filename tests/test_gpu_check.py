@@ -43,17 +43,9 @@ _spec.loader.exec_module(gpu_check)
 
 
 def run_script(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python scripts/gpu_check.py ...`` as a user runs it; once more if a rank was killed by SIGABRT (the
-    Inductor CPU heap corruption of tests/distributed_utils.py, which is not what these tests check)."""
-    def once() -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=1500,
-                              env={**os.environ, **(env or {})}, cwd=PROJECT_DIR)
-
-    done = once()
-    if done.returncode != 0 and "SIGABRT" in done.stdout + done.stderr:
-        print(f"a rank aborted (SIGABRT), running the check once more:\n{done.stdout}")
-        done = once()
-    return done
+    """``python scripts/gpu_check.py ...`` as a user runs it."""
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=1500,
+                          env={**os.environ, **(env or {})}, cwd=PROJECT_DIR)
 
 
 def table_rows(stdout: str) -> dict[str, tuple[str, float, str]]:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests import parity
-from tests.distributed_utils import run_on_ranks_retrying_aborts
+from tests.distributed_utils import run_on_ranks
 
 # With dp sharding the gradient norm is summed in another order: fp32 vector_norm of the 512k-entry output
 # gradient on CPU is itself 5e-5 away from its fp64 value, so the reference norm is only that good
@@ -313,12 +313,12 @@ def reference() -> dict:
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory) -> list[dict]:
     dump = str(tmp_path_factory.mktemp("pp_trainer"))
-    return run_on_ranks_retrying_aborts(_run_configs, 2, args=(TWO_RANK_CONFIGS, dump))  # compiled cases
+    return run_on_ranks(_run_configs, 2, args=(TWO_RANK_CONFIGS, dump))
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict]:
-    return run_on_ranks_retrying_aborts(_run_configs, 4, args=(FOUR_RANK_CONFIGS,))  # compiled cases
+    return run_on_ranks(_run_configs, 4, args=(FOUR_RANK_CONFIGS,))
 
 
 def assert_parity(results: list[dict], key: str, reference: dict, rtol: float, norm_rtol: float | None = None) -> None:

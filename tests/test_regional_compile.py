@@ -31,7 +31,7 @@ import functools
 
 import pytest
 
-from tests.distributed_utils import run_on_ranks_retrying_aborts
+from tests.distributed_utils import run_on_ranks
 from tests.inductor_code import overlap_in_generated_code
 from tests.parity import COMPILED_RTOL, SHARDED_NORM_RTOL, build_layout, max_rel_diff, train_steps
 from tests.test_pipeline import RECIPE, assert_parity, job_config, train_reference
@@ -100,7 +100,7 @@ def _bucket_bytes(region, received) -> list[tuple[int, int, int]]:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return run_on_ranks_retrying_aborts(_train, 2)  # compiled cases
+    return run_on_ranks(_train, 2)
 
 
 @pytest.fixture(scope="module")

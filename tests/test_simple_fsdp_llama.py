@@ -42,7 +42,7 @@ import tempfile
 
 import pytest
 
-from tests.distributed_utils import run_on_ranks_retrying_aborts
+from tests.distributed_utils import run_on_ranks
 from tests.parity import Recipe, assert_parity, build_layout, max_grad_diff, max_rel_diff, train_reference, train_steps
 
 RECIPE = Recipe(global_batch=4, max_norm=1.0)  # 4 x 64 tokens per step: 1, 2 or 4 sequences per dp rank
@@ -106,12 +106,12 @@ def reference() -> dict:
 
 @pytest.fixture(scope="module")
 def two_ranks() -> list[dict]:
-    return run_on_ranks_retrying_aborts(_run_configs, 2, args=(TWO_RANK_CONFIGS,))  # compiled cases
+    return run_on_ranks(_run_configs, 2, args=(TWO_RANK_CONFIGS,))
 
 
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict]:
-    return run_on_ranks_retrying_aborts(_run_configs, 4, args=(FOUR_RANK_CONFIGS,))  # compiled cases
+    return run_on_ranks(_run_configs, 4, args=(FOUR_RANK_CONFIGS,))
 
 
 def _assert_parity(results: list[dict], key: str, reference: dict, rtol: float) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.distributed_utils import run_on_ranks, run_on_ranks_retrying_aborts
+from tests.distributed_utils import run_on_ranks
 from tests.parity import COMPILED_RTOL, EAGER_RTOL, Recipe, build_layout, max_rel_diff, train_reference
 from titan_simple.config import load_job_config
 from titan_simple.errors import ConfigError
@@ -122,7 +122,7 @@ CASES = {
 def accumulation() -> list[dict]:
     layout = ("--parallelism.data_parallel_shard_degree=2", "--training.local_batch_size=1",
               "--training.global_batch_size=8")
-    return run_on_ranks_retrying_aborts(_run, 2, args=(ACCUMULATION, layout, 4, CASES))  # a compiled case
+    return run_on_ranks(_run, 2, args=(ACCUMULATION, layout, 4, CASES))
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def pipeline() -> list[dict]:
     layout = ("--parallelism.data_parallel_shard_degree=2", "--parallelism.pipeline_parallel_degree=2",
               "--parallelism.pipeline_parallel_schedule=1F1B", "--training.local_batch_size=8",
               "--parallelism.pipeline_parallel_microbatch_size=1")
-    return run_on_ranks_retrying_aborts(_run, 4, args=(PIPELINE, layout, 1, CASES))  # a compiled case
+    return run_on_ranks(_run, 4, args=(PIPELINE, layout, 1, CASES))
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from tests.distributed_utils import run_on_ranks, run_on_ranks_retrying_aborts
+from tests.distributed_utils import run_on_ranks
 from tests.parity import SHARDED_NORM_RTOL, Recipe, build_layout, full_tensor, max_rel_diff, train_steps
 from tests.parity import assert_parity as check_parity
 from titan_simple.errors import ConfigError
@@ -145,7 +145,7 @@ def two_ranks() -> list[dict]:
 def four_ranks(tmp_path_factory) -> list[dict]:
     dump = f"--job.dump_folder={tmp_path_factory.mktemp('tp_dump')}"  # the compiled run writes its comm plan
     configs = {name: ((*args, dump), steps, inspect) for name, (args, steps, inspect) in FOUR_RANK_CONFIGS.items()}
-    return run_on_ranks_retrying_aborts(_run_configs, 4, args=(configs,))  # compiled cases
+    return run_on_ranks(_run_configs, 4, args=(configs,))
 
 
 def assert_parity(results: list[dict], key: str, reference: dict) -> None:

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.distributed_utils import single_rank_process_group
+
 
 def _private_module() -> types.ModuleType:
     try:
@@ -185,3 +187,25 @@ def test_process_group_timeouts_can_be_read_and_changed():
         group = dist.new_group([0])
         private.set_process_group_timeout(group, 7.5)
         assert private.process_group_timeout_seconds(group) == 7.5
+
+
+def test_gloo_groups_get_one_worker_thread(monkeypatch):
+    """use_one_gloo_worker_thread reaches the default group and new groups (torch builds both from
+    distributed_c10d.ProcessGroupGloo); torch's own default is 2 threads, so this fails if torch stops reading
+    that name or the option."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from titan_simple.parallel.torch_private import gloo_worker_threads, use_one_gloo_worker_thread
+
+    monkeypatch.setattr(c10d, "ProcessGroupGloo", c10d.ProcessGroupGloo)  # undone after the test
+    with single_rank_process_group():
+        assert gloo_worker_threads() == 2  # torch's default: what the workaround changes
+    use_one_gloo_worker_thread()
+    with single_rank_process_group():
+        group = dist.new_group([0])
+        assert gloo_worker_threads() == gloo_worker_threads(group) == 1
+        assert isinstance(c10d._get_default_group()._get_backend(torch.device("cpu")), dist.ProcessGroupGloo)
+        tensor = torch.ones(3)
+        dist.all_reduce(tensor, group=group)
+        assert tensor.tolist() == [1.0, 1.0, 1.0]
