@@ -46,13 +46,6 @@ def test_transformer_block_plan():
     assert transformer_block_plan(model) == ["tok_embeddings", "layers.0", "layers.1", ["norm", "output"]]
 
 
-def test_known_crash_setting_warns_on_cpu_only():
-    assert "crashed intermittently" in compile_mod.known_problem("none", True, cpu=True)
-    assert compile_mod.known_problem("none", True, cpu=False) is None
-    for bucketing, reorder in (("none", False), ("transformer_block", True), ("auto", True)):
-        assert compile_mod.known_problem(bucketing, reorder, cpu=True) is None
-
-
 def test_bad_bucketing_is_rejected():
     with pytest.raises(ValueError, match="bucketing"):
         compile_model(torch.nn.Linear(2, 2), bucketing="greedy")

@@ -208,17 +208,6 @@ def runtime_estimator(cpu: bool) -> RuntimeEstimator:
     return _CALIBRATED
 
 
-def known_problem(bucketing: str, reorder: bool, cpu: bool) -> str | None:
-    """A setting known to misbehave here, as a warning to print, or None."""
-    if cpu and bucketing == "none" and reorder:
-        # Heap corruption / SIGSEGV in one rank, not root-caused; the measurements and what was tried are in
-        # docs/benchmarks.md ("A crash to know about").
-        return ("compile: bucketing = 'none' with reorder = true has crashed intermittently on CPU / gloo "
-                "(heap corruption in one rank, 4 of 17 benchmark runs); use bucketing = 'transformer_block' or "
-                "'auto'.")
-    return None
-
-
 @dataclass(frozen=True)
 class CompilePlan:
     """What ``[compile]`` means for this run (decided by ``train/plan.py``).
@@ -394,8 +383,6 @@ def compile_model(
         plan = None
     estimator = None
     cpu = not torch.cuda.is_available()
-    if (problem := known_problem(bucketing, reorder, cpu)) is not None:
-        warnings.warn(problem, stacklevel=2)
     needs_estimates = bucketing == "auto" or (bucketing == "none" and reorder)
     if needs_estimates:
         estimator = runtime_estimator(cpu)

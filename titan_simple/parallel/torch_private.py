@@ -478,6 +478,12 @@ def use_one_gloo_worker_thread() -> None:
     c10d.ProcessGroupGloo = _OneWorkerThreadGloo
 
 
+def gloo_worker_threads(group: torch.distributed.ProcessGroup | None = None) -> int:
+    """How many worker threads ``group``'s gloo backend runs collectives on (None: the default group)."""
+    group = group or c10d._get_default_group()
+    return group._get_backend(torch.device("cpu")).options._threads
+
+
 def process_group_timeout_seconds(group: torch.distributed.ProcessGroup | None = None) -> float:
     """The timeout ``group``'s backend applies now (None: the default group), for checks and logs (gloo:
     ``ProcessGroupGloo.options.timeout``; NCCL: the same option, ``ProcessGroupNCCL.options``)."""
