@@ -468,13 +468,15 @@ def use_one_gloo_worker_thread() -> None:
     """Make every gloo process group created from now on (``init_process_group``, ``new_group``, a DeviceMesh's
     groups) run its collectives on one worker thread.
 
-    Why: with torch's default two worker threads, two asynchronous collectives of one group run at the same time
-    on one gloo context, and a rank aborts now and then with heap corruption (``malloc(): unaligned tcache chunk
-    detected``): a small heap chunk freed on one worker thread is in use on the other (docs/benchmarks.md "Aborts in
-    compiled multi-rank jobs"; scripts/repro_gloo_abort.py). One thread per group runs them one after another,
-    as gloo executes them anyway on a 2-core machine. torch 2.13 sets the thread count only through
-    ``ProcessGroupGloo._Options._threads``; ``distributed_c10d`` builds every gloo group from its module-level
-    ``ProcessGroupGloo`` name, which this replaces with a subclass (``isinstance`` checks still hold)."""
+    Why: torch 2.13's ``ProcessGroupGloo::runLoop`` writes each finished collective's name into a string shared
+    by the group's worker threads after releasing its lock; with torch's default two threads, two all-gathers
+    finishing together free the same heap buffer and a rank later aborts (``malloc(): unaligned tcache chunk
+    detected``), crashes or hangs (docs/research/upstream_gloo_worker_thread_race.md; scripts/repro_gloo_abort.py).
+    With one thread there is no second writer. Collectives of one group then run one after another (the
+    compute-heavy benchmark job: 450 tokens/s against 456 with two threads, within noise). torch 2.13 sets the
+    thread count only through ``ProcessGroupGloo._Options._threads``; ``distributed_c10d`` builds every gloo group
+    from its module-level ``ProcessGroupGloo`` name, which this replaces with a subclass (``isinstance`` holds);
+    ``tests/test_torch_private.py`` fails if a new group stops getting one thread."""
     c10d.ProcessGroupGloo = _OneWorkerThreadGloo
 
 
