@@ -54,10 +54,9 @@ def _layout(dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1, pp: int = 1, 
 
 
 COMPILE = ("--compile.enable",)
-# Compiled layouts run first in each job: a pipelined TP model compiled in a process that has already run the
-# same pipelined TP layout eagerly fails in AOTAutograd's partitioner ("Node tangents_2 was invalid, but is
-# output", torch 2.13; measured twice), while the same compile in a fresh process trains exactly. Training
-# processes run one layout, so this only concerns tests that run several.
+# Compiled layouts run first in each job (historical: a pipelined TP model compiled after the same layout ran
+# eagerly in the process failed with "Node tangents_2 was invalid, but is output"; the cause was two equal but
+# distinct tp DeviceMesh objects, fixed by dims.tensor_parallel_mesh, scripts/repro_tp_pp_whole_stage_compile.py).
 FOUR_RANK_CONFIGS = {
     "tp2_pp2/compiled": _layout(1, 1, 2, 2, *COMPILE),
     "dp_replicate2_tp2/compiled": _layout(2, 1, 2, 1, *COMPILE),

@@ -190,22 +190,31 @@ def test_process_group_timeouts_can_be_read_and_changed():
 
 
 def test_gloo_groups_get_one_worker_thread(monkeypatch):
-    """use_one_gloo_worker_thread reaches the default group and new groups (torch builds both from
-    distributed_c10d.ProcessGroupGloo); torch's own default is 2 threads, so this fails if torch stops reading
-    that name or the option."""
+    """use_one_gloo_worker_thread reaches the default group and new groups; torch's own default is 2 threads, so
+    this fails if torch stops building gloo backends through the names it swaps. The backends stay torch's
+    class for torch's own isinstance checks: the timeout still reaches them (a subclass left in place did not)."""
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from titan_simple.parallel.torch_private import gloo_worker_threads, use_one_gloo_worker_thread
+    from titan_simple.parallel.torch_private import (
+        gloo_worker_threads,
+        process_group_timeout_seconds,
+        set_process_group_timeout,
+        use_one_gloo_worker_thread,
+    )
 
-    monkeypatch.setattr(c10d, "ProcessGroupGloo", c10d.ProcessGroupGloo)  # undone after the test
+    monkeypatch.setattr(c10d, "_new_process_group_helper", c10d._new_process_group_helper)  # undone after
     with single_rank_process_group():
         assert gloo_worker_threads() == 2  # torch's default: what the workaround changes
     use_one_gloo_worker_thread()
+    use_one_gloo_worker_thread()  # twice is once
     with single_rank_process_group():
         group = dist.new_group([0])
         assert gloo_worker_threads() == gloo_worker_threads(group) == 1
-        assert isinstance(c10d._get_default_group()._get_backend(torch.device("cpu")), dist.ProcessGroupGloo)
+        assert c10d.ProcessGroupGloo is dist.ProcessGroupGloo
+        for g in (None, group):
+            set_process_group_timeout(g, 123)
+            assert process_group_timeout_seconds(g) == 123.0
         tensor = torch.ones(3)
         dist.all_reduce(tensor, group=group)
         assert tensor.tolist() == [1.0, 1.0, 1.0]

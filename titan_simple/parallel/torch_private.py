@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import logging
 import operator
 import os
@@ -98,6 +99,8 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
     (c10d, "_set_pg_timeout", "set_process_group_timeout (train/distributed.py): the training timeout"),
     (c10d, "ProcessGroupGloo",
      "use_one_gloo_worker_thread: the class _new_process_group_helper builds every gloo group from"),
+    (c10d, "_new_process_group_helper",
+     "use_one_gloo_worker_thread: wrapped; the function every new process group is built by"),
     (torch.distributed.ProcessGroupGloo, "_Options", "use_one_gloo_worker_thread: gloo's options with threads"),
     (c10d, "_get_default_group", "process_group_timeout_seconds: the default group, to read its timeout"),
     (c10d.ProcessGroup, "_get_backend", "process_group_timeout_seconds: the group's gloo / NCCL backend"),
@@ -448,18 +451,20 @@ def set_process_group_timeout(group: torch.distributed.ProcessGroup | None, seco
     c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
 
-class _OneWorkerThreadGloo(torch.distributed.ProcessGroupGloo):
+_TORCH_GLOO = torch.distributed.ProcessGroupGloo
+
+
+class _OneWorkerThreadGloo(_TORCH_GLOO):
     """A gloo backend that runs its collectives on one worker thread instead of torch's two (see below)."""
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta = datetime.timedelta(minutes=30)):
-        base = torch.distributed.ProcessGroupGloo
-        options = base._Options()
+        options = _TORCH_GLOO._Options()
         options._timeout = timeout
         # As torch's own constructor does (init.cpp): one tcp device per interface in GLOO_SOCKET_IFNAME, else the
         # default one; torch then starts 2 worker threads per device, we start 1.
         interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
-        options._devices = ([base.create_device(interface=name) for name in interfaces] if interfaces
-                            else [base.create_default_device()])
+        options._devices = ([_TORCH_GLOO.create_device(interface=name) for name in interfaces] if interfaces
+                            else [_TORCH_GLOO.create_default_device()])
         options._threads = len(options._devices)
         super().__init__(store, rank, size, options)
 
@@ -473,11 +478,27 @@ def use_one_gloo_worker_thread() -> None:
     finishing together free the same heap buffer and a rank later aborts (``malloc(): unaligned tcache chunk
     detected``), crashes or hangs (docs/research/upstream_gloo_worker_thread_race.md; scripts/repro_gloo_abort.py).
     With one thread there is no second writer. Collectives of one group then run one after another (the
-    compute-heavy benchmark job: 450 tokens/s against 456 with two threads, within noise). torch 2.13 sets the
-    thread count only through ``ProcessGroupGloo._Options._threads``; ``distributed_c10d`` builds every gloo group
-    from its module-level ``ProcessGroupGloo`` name, which this replaces with a subclass (``isinstance`` holds);
-    ``tests/test_torch_private.py`` fails if a new group stops getting one thread."""
-    c10d.ProcessGroupGloo = _OneWorkerThreadGloo
+    compute-heavy benchmark job: 450 tokens/s against 456 with two threads, within noise).
+
+    How: torch 2.13 sets the thread count only through ``ProcessGroupGloo._Options._threads``, and
+    ``distributed_c10d._new_process_group_helper`` builds every group's gloo backend from the module-level name
+    ``ProcessGroupGloo``. While that function runs, the name is our subclass; outside it, torch's class, so
+    torch's ``isinstance`` checks on the backends it hands back (``_set_pg_timeout``'s among them) still hold.
+    ``tests/test_torch_private.py`` fails if a new group stops getting one thread or its timeout."""
+    create = c10d._new_process_group_helper
+    if getattr(create, "one_gloo_worker_thread", False):
+        return
+
+    @functools.wraps(create)
+    def create_with_one_gloo_worker_thread(*args, **kwargs):
+        c10d.ProcessGroupGloo = _OneWorkerThreadGloo
+        try:
+            return create(*args, **kwargs)
+        finally:
+            c10d.ProcessGroupGloo = _TORCH_GLOO
+
+    create_with_one_gloo_worker_thread.one_gloo_worker_thread = True
+    c10d._new_process_group_helper = create_with_one_gloo_worker_thread
 
 
 def gloo_worker_threads(group: torch.distributed.ProcessGroup | None = None) -> int:
