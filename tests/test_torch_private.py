@@ -203,7 +203,9 @@ def test_gloo_groups_get_one_worker_thread(monkeypatch):
         use_one_gloo_worker_thread,
     )
 
-    monkeypatch.setattr(c10d, "_new_process_group_helper", c10d._new_process_group_helper)  # undone after
+    # torch's own function (an earlier test in this process may have wrapped it already); restored after the test
+    helper = c10d._new_process_group_helper
+    monkeypatch.setattr(c10d, "_new_process_group_helper", getattr(helper, "__wrapped__", helper))
     with single_rank_process_group():
         assert gloo_worker_threads() == 2  # torch's default: what the workaround changes
     use_one_gloo_worker_thread()

@@ -62,9 +62,9 @@ def init_process_group(info: DistInfo, timeout_seconds: int = 1800) -> None:
     groups run their collectives on one worker thread (``use_one_gloo_worker_thread``: two abort now and then)."""
     if info.device.type == "cuda":
         torch.cuda.set_device(info.device)
-    else:
-        use_one_gloo_worker_thread()
     if info.world_size > 1 and not dist.is_initialized():
+        if info.device.type != "cuda":
+            use_one_gloo_worker_thread()
         dist.init_process_group(
             backend="nccl" if info.device.type == "cuda" else "gloo",
             timeout=datetime.timedelta(seconds=timeout_seconds),
