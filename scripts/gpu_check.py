@@ -717,19 +717,27 @@ def read_records(results: Path, nproc: int) -> dict[int, list[dict]]:
     return records
 
 
+# What a rank's collective says when a peer has gone: the peer's failure, not this rank's.
+PEER_LEFT = ("Connection closed by peer", "Connection reset by peer")
+
+
 def merge_job(rows: list[str], job: JobEnd, nproc: int) -> tuple[dict[str, RowResult], list[str]]:
     """The results of a job's rows up to the first that did not pass on every rank (that one included, as a
     failure), and the rows left for the next job. A row passes where every rank recorded its end without failure;
     its seconds and detail are rank 0's. Of several failing ranks the first to fail is named: the others often
-    only saw it leave ("Connection reset by peer")."""
+    only saw it leave ("Connection reset by peer"). A rank that died in the row without a word is named before
+    ranks whose only error is that a peer left."""
     ends = {rank: {r["row"]: r for r in recs if r["event"] == "end"} for rank, recs in job.records.items()}
     starts = {rank: {r["row"] for r in recs if r["event"] == "start"} for rank, recs in job.records.items()}
     results: dict[str, RowResult] = {}
     for index, name in enumerate(rows):
         mine = [ends.get(rank, {}).get(name) for rank in range(nproc)]
         failed = [(rank, end) for rank, end in enumerate(mine) if end is not None and end["status"] == FAIL]
-        if failed:
-            rank, end = min(failed, key=lambda item: (item[1].get("time", 0.0), item[0]))
+        died = job.exit_code is not None and any(end is None and name in starts.get(rank, set())
+                                                 for rank, end in enumerate(mine))
+        causes = [(rank, end) for rank, end in failed if not any(text in end["detail"] for text in PEER_LEFT)]
+        if causes or (failed and not died):
+            rank, end = min(causes or failed, key=lambda item: (item[1].get("time", 0.0), item[0]))
             who = f"rank {rank}: " if nproc > 1 else ""
             results[name] = RowResult(FAIL, end["seconds"], who + end["detail"])
         elif all(end is not None for end in mine):

@@ -303,6 +303,9 @@ def _model_facts(args) -> dict:
 
 def _worker(rank: int, world_size: int, store_path: str, out_dir: str, args) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    from titan_simple.parallel.torch_private import use_one_gloo_worker_thread
+
+    use_one_gloo_worker_thread()  # as the trainer does
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world_size), rank=rank, world_size=world_size)
     results = {}
     try:

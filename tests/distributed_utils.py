@@ -49,6 +49,13 @@ def single_rank_process_group() -> Iterator[None]:
         dist.destroy_process_group()
 
 
+def gloo_worker_threads(group: dist.ProcessGroup | None = None) -> int:
+    """How many worker threads ``group``'s gloo backend runs collectives on (None: the default group); read
+    through torch's private ``_Options._threads``."""
+    group = group or dist.distributed_c10d._get_default_group()
+    return group._get_backend(torch.device("cpu")).options._threads
+
+
 class RankFailed(RuntimeError):
     """A rank raised or died; the message holds each failing rank's traceback or exit code."""
 

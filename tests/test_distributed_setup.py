@@ -120,8 +120,9 @@ def test_comm_keys_are_checked(tmp_path, key, value):
 
 
 def _timeouts_of_every_group(rank: int, world_size: int) -> list[list[float]]:
+    from tests.distributed_utils import gloo_worker_threads
     from titan_simple.parallel.dims import ParallelDims
-    from titan_simple.parallel.torch_private import gloo_worker_threads, process_group_timeout_seconds
+    from titan_simple.parallel.torch_private import process_group_timeout_seconds
     from titan_simple.train.distributed import set_timeouts
 
     dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=1, pp=1, world_size=world_size)
@@ -180,3 +181,22 @@ def test_the_trainer_waits_longer_until_the_first_step_has_ended(tmp_path):
     for during_steps, mesh_groups in run_on_ranks(_trainer_timeouts, 2, args=(str(tmp_path),)):
         assert during_steps == [999.0, 111.0, 111.0]
         assert mesh_groups and all(seconds == 111.0 for seconds in mesh_groups)
+
+
+def test_the_trainer_gives_every_gloo_group_one_worker_thread(monkeypatch):
+    """The trainer's own process-group start installs the gloo workaround (test ranks start theirs in
+    tests/distributed_utils.py, so the trainer skips this path there)."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from titan_simple.train.distributed import DistInfo, init_process_group
+
+    helper = c10d._new_process_group_helper
+    monkeypatch.setattr(c10d, "_new_process_group_helper", getattr(helper, "__wrapped__", helper))
+    calls: list[dict] = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda **kwargs: calls.append(kwargs))
+    init_process_group(DistInfo(rank=0, world_size=2, local_rank=0, device=torch.device("cpu")))
+    assert [call["backend"] for call in calls] == ["gloo"]
+    assert getattr(c10d._new_process_group_helper, "one_gloo_worker_thread", False)

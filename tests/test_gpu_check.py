@@ -150,6 +150,18 @@ def test_the_rank_that_failed_first_is_named():
     assert results["checkpoint"].detail == "rank 1: fail detail 1"
 
 
+def test_a_rank_that_died_silently_is_named_before_one_that_saw_it_leave():
+    """Rank 1 dies in the row; rank 0's collective then fails with "Connection closed by peer" and says so first
+    (with one gloo worker thread it does: the suite once named rank 0 here)."""
+    job = fake_job(["checkpoint"], {"checkpoint": "fail"}, crash_in="checkpoint", exit_code=1)
+    job.records[0][-1]["detail"] = "RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:4242"
+    results, _ = gpu_check.merge_job(["checkpoint"], job, 2)
+    assert results["checkpoint"].detail.startswith("rank 1 died during this row (job exit code 1)")
+    job.records[0][-1]["detail"] = "injected failure"  # a rank's own error is named, the rank killed after it not
+    results, _ = gpu_check.merge_job(["checkpoint"], job, 2)
+    assert results["checkpoint"].detail == "rank 0: injected failure"
+
+
 def test_a_failed_process_group_skips_the_rest(monkeypatch):
     monkeypatch.setattr(gpu_check, "launch_job",
                         lambda index, rows, *_: fake_job(rows, {"process_group": "fail"}, exit_code=1))

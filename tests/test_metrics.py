@@ -213,6 +213,9 @@ def test_loss_reduction_in_a_group_of_one_and_of_a_dtensor(gloo_world_of_one):
 
 
 def _two_rank_loss_reduction(rank: int, store_path: str) -> None:
+    from titan_simple.parallel.torch_private import use_one_gloo_worker_thread
+
+    use_one_gloo_worker_thread()  # as the trainer does
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
     try:
         assert global_avg_and_max(torch.tensor(1.0 + 2.0 * rank)) == (2.0, 3.0)  # losses 1 and 3

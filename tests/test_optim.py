@@ -244,6 +244,9 @@ def test_dtensor_parameters_step_bitwise_like_plain_tensors(gloo_world_of_one, n
 
 
 def _two_rank_sharded_step(rank: int, store_path: str) -> None:
+    from titan_simple.parallel.torch_private import use_one_gloo_worker_thread
+
+    use_one_gloo_worker_thread()  # as the trainer does
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=2)
     try:
         mesh = init_device_mesh("cpu", (2,))

@@ -196,8 +196,8 @@ def test_gloo_groups_get_one_worker_thread(monkeypatch):
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
+    from tests.distributed_utils import gloo_worker_threads
     from titan_simple.parallel.torch_private import (
-        gloo_worker_threads,
         process_group_timeout_seconds,
         set_process_group_timeout,
         use_one_gloo_worker_thread,

@@ -97,11 +97,10 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
     (inductor_comms_config, "runtime_estimations_align_across_all_distributed_ranks",
      "cross_rank_compile_settings: the scheduler's all_gather_object over all ranks"),
     (c10d, "_set_pg_timeout", "set_process_group_timeout (train/distributed.py): the training timeout"),
-    (c10d, "ProcessGroupGloo",
-     "use_one_gloo_worker_thread: the class _new_process_group_helper builds every gloo group from"),
-    (c10d, "_new_process_group_helper",
-     "use_one_gloo_worker_thread: wrapped; the function every new process group is built by"),
+    (c10d, "ProcessGroupGloo", "use_one_gloo_worker_thread: the name gloo backends are built from"),
+    (c10d, "_new_process_group_helper", "use_one_gloo_worker_thread: wrapped; builds every process group"),
     (torch.distributed.ProcessGroupGloo, "_Options", "use_one_gloo_worker_thread: gloo's options with threads"),
+    *((torch.distributed.ProcessGroupGloo._Options, n, "use_one_gloo_worker_thread") for n in ("_threads", "_devices")),
     (c10d, "_get_default_group", "process_group_timeout_seconds: the default group, to read its timeout"),
     (c10d.ProcessGroup, "_get_backend", "process_group_timeout_seconds: the group's gloo / NCCL backend"),
     (c10d.ProcessGroupGloo._Options, "_timeout",
@@ -455,56 +454,42 @@ _TORCH_GLOO = torch.distributed.ProcessGroupGloo
 
 
 class _OneWorkerThreadGloo(_TORCH_GLOO):
-    """A gloo backend that runs its collectives on one worker thread instead of torch's two (see below)."""
+    """torch's gloo backend as its Python constructor builds it (init.cpp: a tcp device per GLOO_SOCKET_IFNAME
+    interface, else the default one; lazy init read from the environment), with one worker thread, not 2 per device."""
 
     def __init__(self, store, rank: int, size: int, timeout: datetime.timedelta = datetime.timedelta(minutes=30)):
         options = _TORCH_GLOO._Options()
         options._timeout = timeout
-        # As torch's own constructor does (init.cpp): one tcp device per interface in GLOO_SOCKET_IFNAME, else the
-        # default one; torch then starts 2 worker threads per device, we start 1.
         interfaces = [name for name in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if name]
         options._devices = ([_TORCH_GLOO.create_device(interface=name) for name in interfaces] if interfaces
                             else [_TORCH_GLOO.create_default_device()])
-        options._threads = len(options._devices)
+        options._threads = 1  # one thread serves every device's context: a second would race again
         super().__init__(store, rank, size, options)
 
 
 def use_one_gloo_worker_thread() -> None:
-    """Make every gloo process group created from now on (``init_process_group``, ``new_group``, a DeviceMesh's
-    groups) run its collectives on one worker thread.
-
-    Why: torch 2.13's ``ProcessGroupGloo::runLoop`` writes each finished collective's name into a string shared
-    by the group's worker threads after releasing its lock; with torch's default two threads, two all-gathers
-    finishing together free the same heap buffer and a rank later aborts (``malloc(): unaligned tcache chunk
-    detected``), crashes or hangs (docs/research/upstream_gloo_worker_thread_race.md; scripts/repro_gloo_abort.py).
-    With one thread there is no second writer. Collectives of one group then run one after another (the
-    compute-heavy benchmark job: 450 tokens/s against 456 with two threads, within noise).
-
-    How: torch 2.13 sets the thread count only through ``ProcessGroupGloo._Options._threads``, and
-    ``distributed_c10d._new_process_group_helper`` builds every group's gloo backend from the module-level name
-    ``ProcessGroupGloo``. While that function runs, the name is our subclass; outside it, torch's class, so
-    torch's ``isinstance`` checks on the backends it hands back (``_set_pg_timeout``'s among them) still hold.
-    ``tests/test_torch_private.py`` fails if a new group stops getting one thread or its timeout."""
+    """Every gloo process group created from now on (default, ``new_group``, a DeviceMesh's) runs its collectives
+    on one worker thread. torch 2.13's ``ProcessGroupGloo::runLoop`` writes each finished collective's name into a
+    string its worker threads share, outside its lock: with torch's two threads, two all-gathers finishing together
+    free one heap buffer twice, and a rank aborts, crashes or hangs later (docs/research/
+    upstream_gloo_worker_thread_race.md; scripts/repro_gloo_abort.py). One thread cost nothing measurable (450 vs
+    456 tokens/s, docs/benchmarks.md). Only ``_Options._threads`` sets the count, and ``_new_process_group_helper``
+    builds gloo backends from the module-level name ``ProcessGroupGloo``: our class stands there only while it
+    runs, so torch's ``isinstance`` checks on the backends it hands back (``_set_pg_timeout``'s) still hold."""
     create = c10d._new_process_group_helper
     if getattr(create, "one_gloo_worker_thread", False):
         return
 
     @functools.wraps(create)
     def create_with_one_gloo_worker_thread(*args, **kwargs):
-        c10d.ProcessGroupGloo = _OneWorkerThreadGloo
+        previous, c10d.ProcessGroupGloo = c10d.ProcessGroupGloo, _OneWorkerThreadGloo
         try:
             return create(*args, **kwargs)
         finally:
-            c10d.ProcessGroupGloo = _TORCH_GLOO
+            c10d.ProcessGroupGloo = previous
 
     create_with_one_gloo_worker_thread.one_gloo_worker_thread = True
     c10d._new_process_group_helper = create_with_one_gloo_worker_thread
-
-
-def gloo_worker_threads(group: torch.distributed.ProcessGroup | None = None) -> int:
-    """How many worker threads ``group``'s gloo backend runs collectives on (None: the default group)."""
-    group = group or c10d._get_default_group()
-    return group._get_backend(torch.device("cpu")).options._threads
 
 
 def process_group_timeout_seconds(group: torch.distributed.ProcessGroup | None = None) -> float:

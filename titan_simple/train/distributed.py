@@ -59,12 +59,12 @@ def init_process_group(info: DistInfo, timeout_seconds: int = 1800) -> None:
     """Join the process group. The timeout bounds how long a collective of the default group waits for a dead
     peer, so a crashed rank makes the others fail within it rather than hang forever; the mesh's groups get theirs
     from ``set_timeouts`` (torch gives a new group its backend's default, 10 min for NCCL, not this one). Gloo
-    groups run their collectives on one worker thread (``use_one_gloo_worker_thread``: two abort now and then)."""
+    groups, on any device, run their collectives on one worker thread (``use_one_gloo_worker_thread``: with two,
+    they abort now and then)."""
     if info.device.type == "cuda":
         torch.cuda.set_device(info.device)
     if info.world_size > 1 and not dist.is_initialized():
-        if info.device.type != "cuda":
-            use_one_gloo_worker_thread()
+        use_one_gloo_worker_thread()  # every gloo group, also the async checkpoint's beside NCCL
         dist.init_process_group(
             backend="nccl" if info.device.type == "cuda" else "gloo",
             timeout=datetime.timedelta(seconds=timeout_seconds),
