@@ -296,3 +296,13 @@ def test_bucketing_on_a_per_block_compiled_layout_warns(caplog):
         # SimpleFSDP: the model and its loss as one graph, where bucketing applies
         assert plan("--compile.bucketing=transformer_block", "--compile.reorder") == "whole_with_loss"
     assert "ignored" not in caplog.text
+
+
+def test_gpu_scheduling_options_are_torchtitans_and_real_inductor_keys():
+    import torch._inductor.config as inductor_config
+
+    assert compile_mod.gpu_scheduling_options(True, "transformer_block") == {}  # CPU: Inductor's defaults
+    assert compile_mod.gpu_scheduling_options(False, "none") == {"reorder_for_peak_memory": False}
+    options = compile_mod.gpu_scheduling_options(False, "auto")
+    assert options == {"reorder_for_peak_memory": False, "allow_buffer_reuse": False}
+    assert all(hasattr(inductor_config, key) for key in options)  # torch.compile would reject an unknown key

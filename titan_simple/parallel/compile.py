@@ -208,6 +208,17 @@ def runtime_estimator(cpu: bool) -> RuntimeEstimator:
     return _CALIBRATED
 
 
+def gpu_scheduling_options(cpu: bool, bucketing: str) -> dict[str, bool]:
+    """Inductor settings for CUDA, as TorchTitan's SimpleFSDP backend sets them (torchtitan graph_trainer
+    jit_backend.py, pull request 1464): its own peak-memory reorder off, so the order our pass chose (collectives
+    started early, waits late) is kept; and with bucketing, no buffer reuse, so a bucket's buffer is not handed to
+    other kernels while its collective may still run. Only read against TorchTitan and torch 2.13, not yet run
+    on a GPU. CPU keeps Inductor's defaults, which every CPU measurement in docs/ used."""
+    if cpu:
+        return {}
+    return {"reorder_for_peak_memory": False, **({"allow_buffer_reuse": False} if bucketing != "none" else {})}
+
+
 @dataclass(frozen=True)
 class CompilePlan:
     """What ``[compile]`` means for this run (decided by ``train/plan.py``).
@@ -396,7 +407,8 @@ def compile_model(
         recorder.store = comm_plan_store(fingerprint, overlap_pass.uuid(), rank)
     # One options dict (one pass object) for every module: Dynamo then reuses one module's compiled code for
     # another of the same class whose guards pass (regional compilation), instead of compiling it again.
-    options = {**rank_local_compile_options(), **(extra_options or {}), "post_grad_custom_post_pass": overlap_pass}
+    options = {**rank_local_compile_options(), **gpu_scheduling_options(cpu, bucketing), **(extra_options or {}),
+               "post_grad_custom_post_pass": overlap_pass}
     for module in modules:
         module.compile(backend=backend, fullgraph=fullgraph, options=options)
     recorder.compile_options = options
