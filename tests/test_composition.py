@@ -64,9 +64,9 @@ FOUR_RANK_CONFIGS = {
     "tp2_pp2/eager": _layout(tp=2, pp=2),
     "dp_replicate2_tp2/eager": _layout(dp_replicate=2, tp=2),
 }
-# The 3-D layout is compiled here; each dimension's eager path is covered by its own file (the eager 8-process run
-# cost about 15 s of the suite: 87 -> 72 s). tp2 x pp2 compiled stays in fp32 here (1e-5); the 405B config test trains the
-# same layout in bf16 (Interleaved1F1B).
+# The 3-D layout is compiled here; each dimension's eager path is covered by its own file (the eager
+# 8-process run cost about 15 s of the suite: 87 -> 72 s). tp2 x pp2 compiled stays in fp32 here (1e-5); the
+# 405B config test trains the same layout in bf16 (Interleaved1F1B).
 EIGHT_RANK_CONFIGS = {
     "dp_shard2_tp2_pp2/compiled": _layout(1, 2, 2, 2, *COMPILE),
 }
