@@ -11,12 +11,14 @@ step, and all TP ranks of a dp group read the same slice. The single-process ref
 world size 1, computed once in the test process.
 
 Two spawned jobs run all the multi-process cases, so processes start and compilation happens once per job:
-2 ranks (tp2, with and without loss parallel) and 4 ranks (dp_shard2 x tp2: eager, compiled, AC full /
-selective, FSDP2 instead of SimpleFSDP; plus the weights and placements after training).
+2 ranks (tp2, with and without loss parallel) and 4 ranks (dp_shard2 x tp2: eager, compiled with transformer_block
+and with auto bucketing, regionally compiled, AC full / selective, FSDP2 instead of SimpleFSDP; plus the weights and
+placements after training). The model has 2 blocks: every block is the same code, and compile time grows with them.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 
 import pytest
@@ -30,6 +32,7 @@ from tests.parity import SHARDED_NORM_RTOL, Recipe, build_layout, full_tensor, m
 from tests.parity import assert_parity as check_parity
 from titan_simple.errors import ConfigError
 from titan_simple.models.llama3 import LLAMA3_FLAVORS
+from titan_simple.parallel.compile import comm_plan_recorders
 from titan_simple.parallel.dims import ParallelDims, validate_parallelism
 from titan_simple.train.distributed import DistInfo
 from titan_simple.train.plan import uses_loss_parallel
@@ -46,15 +49,18 @@ VOCAB = 2000
 DEVICE = torch.device("cpu")
 
 # Measured on 2 CPU cores, torch 2.13 (largest relative difference from the reference over the steps; run
-# with -s to see them): losses 1.2e-7 (tp2, dp2 x tp2 eager / compiled / AC), gradient norms 5.4e-5,
-# weights after 10 steps 9.1e-6 of the largest weight. Gradient norms differ more than losses: torch's fp32 CPU norm of
-# the 512k-entry output-projection gradient is itself ~3e-5 off its fp64 value, and the TP ranks take it in
-# two halves (step 1: fp64 1.0435406; reference 1.0434747; tp2 1.0435150), while the gradients agree to 1e-6.
+# with -s to see them; 2 blocks, 2026-11-26): losses 1.2e-7 (tp2, dp2 x tp2 eager / compiled / auto / AC), gradient
+# norms 6.0e-5, weights after 10 steps 3.8e-6 of the largest weight. Gradient norms differ more than losses: torch's
+# fp32 CPU norm of the 512k-entry output-projection gradient is itself ~3e-5 off its fp64 value, and the TP ranks
+# take it in two halves (6 blocks, step 1: fp64 1.0435406; reference 1.0434747; tp2 1.0435150), while the
+# gradients agree to 1e-6.
 LOSS_RTOL = 1e-5
 WEIGHT_RTOL = 5e-5  # Adam amplifies tiny gradient differences of near-zero gradient entries
 
 
-RECIPE = Recipe(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, steps=STEPS, lr=LR, max_norm=MAX_NORM, batch_seed=4321)
+N_LAYERS = 2  # every block is the same code; two keep the compiled layouts' compile time down
+RECIPE = Recipe(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, steps=STEPS, lr=LR, max_norm=MAX_NORM, batch_seed=4321,
+                extra=(f"--model.n_layers={N_LAYERS}",))
 
 
 def job_config(*overrides: str):
@@ -89,6 +95,8 @@ def train(config, world_size: int = 1, steps: int = STEPS, inspect: bool = False
             )
 
     out = train_steps(layout, RECIPE, steps=steps, after_first_backward=grad_layouts)
+    if config.compile.enable:
+        out["dp_collectives"] = dp_collective_counts(layout)
     if logits_types:
         out["logits_type"] = logits_types[0]
     if inspect:
@@ -100,6 +108,17 @@ def train(config, world_size: int = 1, steps: int = STEPS, inspect: bool = False
         final = full_state(model)
         out["final"] = final if rank0 else None
     return out
+
+
+def dp_collective_counts(layout) -> dict[str, int]:
+    """How many collectives the compiled code issues on the dp_shard group, per graph and kind
+    (``"forward/all_gather"``), from the comm plan compile recorded."""
+    group = layout.mesh["dp_shard"].get_group().group_name
+    counts: collections.Counter = collections.Counter()
+    for recorder in comm_plan_recorders(layout.parts.modules):
+        for graph, collectives in recorder.graphs.items():
+            counts.update(f"{graph}/{c['kind']}" for c in collectives if c["group"] == group)
+    return dict(counts)
 
 
 def _run_configs(rank: int, world_size: int, configs: dict) -> dict:
@@ -123,7 +142,8 @@ TWO_RANK_CONFIGS = {
 FOUR_RANK_CONFIGS = {
     "dp2_tp2/eager": (DP2_TP2, STEPS, True),
     "dp2_tp2/compiled": ((*DP2_TP2, "--compile.enable"), STEPS, False),
-    "dp2_tp2/regional": ((*DP2_TP2, "--compile.enable", "--compile.regional", "--compile.regional_blocks=3"),
+    "dp2_tp2/auto": ((*DP2_TP2, "--compile.enable", "--compile.bucketing=auto"), AC_STEPS, False),
+    "dp2_tp2/regional": ((*DP2_TP2, "--compile.enable", "--compile.regional", "--compile.regional_blocks=1"),
                          AC_STEPS, False),
     "dp2_tp2/ac_full": ((*DP2_TP2, "--activation_checkpoint.mode=full"), AC_STEPS, False),
     "dp2_tp2/ac_selective": ((*DP2_TP2, "--activation_checkpoint.mode=selective"), AC_STEPS, False),
@@ -215,10 +235,30 @@ def test_dp2_tp2_matches_single_process(four_ranks, reference, variant):
 
 
 @pytest.mark.slow
+def test_auto_bucketing_on_dp2_tp2_matches_single_process(four_ranks, reference):
+    assert_parity(four_ranks, "dp2_tp2/auto", reference)
+
+
+@pytest.mark.slow
+def test_bucketing_on_dp2_tp2_buckets_the_dp_collectives(four_ranks):
+    """Unbucketed, SimpleFSDP issues one dp all-gather per parameter in forward and one dp reduce-scatter per
+    parameter in backward. transformer_block (the default, compiled above) issues one per block bucket, both ways.
+    auto (Inductor's bucketer) buckets the forward all-gathers; on this mesh it leaves the backward reduce-scatters
+    one per parameter (measured, torch 2.13: 4 all-gathers, 21 reduce-scatters for 21 parameters)."""
+    n_params = 2 + N_LAYERS * 9 + 1  # embedding, per block 4 attention + 3 feed-forward + 2 norms, norm, output
+    n_buckets = 1 + N_LAYERS + 1  # tok_embeddings, each block, norm + output
+    per_block = four_ranks[0]["dp2_tp2/compiled"]["dp_collectives"]
+    auto = four_ranks[0]["dp2_tp2/auto"]["dp_collectives"]
+    print(f"dp collectives: transformer_block {per_block}, auto {auto}")
+    assert per_block["forward/all_gather"] == n_buckets and per_block["backward/reduce_scatter"] == n_buckets
+    assert auto["forward/all_gather"] < n_params and auto["backward/reduce_scatter"] <= n_params
+
+
+@pytest.mark.slow
 def test_dp2_tp2_compiles_regionally(four_ranks, reference):
     """Regional compilation under tensor parallel: the embedding's layouts are forward hooks, so its region runs
     eagerly and hands nothing on; the first block region gathers its own first weights and hands the next
-    region (here the last: 6 blocks, 3 per region) its own. Two compiled codes."""
+    region (here the last: 2 blocks, 1 per region) its own. Two compiled codes."""
     assert_parity(four_ranks, "dp2_tp2/regional", reference)
     run = four_ranks[0]["dp2_tp2/regional"]
     assert run["graph_breaks"] == {} and run["unique_graphs"] == 2
