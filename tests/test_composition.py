@@ -1,7 +1,7 @@
 """The 2-D and 3-D layouts that no other test file covers: tensor parallel composed with pipeline parallel, with
 data-parallel replication, and all three at once (compiled), each against the same single-process reference.
 
-The recipe and reference are ``tests/test_pipeline.py``'s (6-layer debug model, fp32, 10 AdamW steps with
+The recipe is ``tests/test_pipeline.py``'s with 2 blocks (debug model, fp32, 10 AdamW steps with
 clipping active, a fixed global batch of 8 x 64 random tokens per step, split along the batch dim over the dp
 ranks); the loop is the trainer's own step (``tests/parity.py``), which runs the loss and its backward under
 ``loss_parallel_context`` when the logits are vocab-sharded.
@@ -12,23 +12,24 @@ where printed): tp2 x pp2 compiled 1.2e-7; dp_replicate2 x tp2 eager 1.2e-7; dp_
 (auto bucketing also gave 1.2e-7 here; test_compile.py now checks every bucketing setting on dp2 x tp2 against
 the unbucketed compile, more cheaply). Asserted: 1e-6 eager, 1e-5 compiled (test_pipeline's tolerances); gradient norms
 1e-4 (torch's fp32 CPU norm of the sharded output-projection gradient; see test_tensor_parallel.py).
-Runtime in the suite on a fresh clone (2026-11-25, before the 8-process eager run was dropped): 97 s for the
-4-process job, 87 s for the 8-process one.
+(Those differences were measured with 6 blocks; with 2 the layouts pass the same tolerances.) Runtime of the
+jobs alone: 47 s for the 4-process one, 46 s for the 8-process one (2026-11-26, 2 blocks; 97 / 72 s with 6).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from tests import parity
 from tests.distributed_utils import run_on_ranks
 from tests.parity import COMPILED_RTOL, EAGER_RTOL, SHARDED_NORM_RTOL, build_layout, train_steps
-from tests.test_pipeline import (
-    GLOBAL_BATCH,
-    RECIPE,
-    assert_parity,
-    job_config,
-    train_reference,
-)
+from tests.test_pipeline import GLOBAL_BATCH, assert_parity, job_config
+from tests.test_pipeline import RECIPE as PIPELINE_RECIPE
+
+N_LAYERS = 2  # 1F1B on pp2: a block per stage
+RECIPE = dataclasses.replace(PIPELINE_RECIPE, extra=(f"--model.n_layers={N_LAYERS}",))
 
 
 def train_layout(config, world_size: int) -> dict:
@@ -38,7 +39,7 @@ def train_layout(config, world_size: int) -> dict:
 
 
 def _run_configs(rank: int, world_size: int, configs: dict[str, tuple[str, ...]]) -> dict:
-    return {name: train_layout(job_config(*overrides), world_size) for name, overrides in configs.items()}
+    return {name: train_layout(job_config(*RECIPE.extra, *args), world_size) for name, args in configs.items()}
 
 
 def _layout(dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1, pp: int = 1, *extra: str) -> tuple[str, ...]:
@@ -78,7 +79,7 @@ EIGHT_RANK_CONFIGS = {
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    return train_reference()
+    return parity.train_reference(RECIPE)
 
 
 @pytest.fixture(scope="module")

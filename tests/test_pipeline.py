@@ -3,7 +3,7 @@
 The parity runs build and train the model with the trainer's own code (``tests/parity.py``:
 ``train.build.build_model_parts`` -> ``build_pipeline``: split the meta model, ``parallelize_llama`` each stage,
 ``materialize_and_init``, PipelineStage + schedule; ``train.step.PipelineStep``) and train the debug model
-(6 layers, fp32) for 10 AdamW steps on a fixed global batch per step, clipping over all stages. The reference is
+(4 layers, fp32) for 10 AdamW steps on a fixed global batch per step, clipping over all stages. The reference is
 the same recipe on one process without pipelining. Two spawned jobs run all multi-process checks, so processes
 start and compilations happen once per job: 2 ranks (pp2 with every schedule eager, 1F1B and ZBVZeroBubble
 compiled, and the real Trainer with gradient accumulation) and 4 ranks (dp_shard2 x pp2).
@@ -43,7 +43,8 @@ from titan_simple.train.distributed import DistInfo
 from titan_simple.train.trainer import Trainer
 
 FLAVOR = "debugmodel"
-N_LAYERS = 6
+N_LAYERS = 6  # the planning checks' model
+PARITY_LAYERS = 4  # the parity runs' model: the fewest blocks that give pp2's 2-stage-per-rank schedules a block each
 SEQ_LEN = 64
 GLOBAL_BATCH = 8  # sequences per step: 4 microbatches on every pp rank (microbatch 2 without dp, 1 with dp2)
 STEPS = 10
@@ -240,7 +241,13 @@ def test_clip_without_pp_group_is_the_plain_global_norm():
 # ---------------------------------------------------------------------------------------------- parity
 
 
-RECIPE = Recipe(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, steps=STEPS, lr=LR, max_norm=MAX_NORM)
+RECIPE = Recipe(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, steps=STEPS, lr=LR, max_norm=MAX_NORM,
+                extra=(f"--model.n_layers={PARITY_LAYERS}",))
+
+
+def parity_config(*overrides: str):
+    """``job_config`` with the parity runs' model (what ``RECIPE``'s reference trains)."""
+    return job_config(f"--model.n_layers={PARITY_LAYERS}", *overrides)
 
 
 def train_reference() -> dict:
@@ -257,6 +264,7 @@ def train_pipelined(config, world_size: int, keep_grads: bool) -> dict:
 
 def run_trainer(rank: int, world_size: int, dump: str, *overrides: str) -> list[float]:
     config = load_job_config(["--config", "llama3_debug.toml", "--training.steps", "4", "--training.seq_len", "64",
+                              "--model.n_layers", str(PARITY_LAYERS),
                               "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.decay_ratio", "0.5",
                               "--metrics.enable_tensorboard", "false", "--job.dump_folder", dump,
                               "--training.mixed_precision_param", "float32", *overrides])  # fp32: parity to 1e-5
@@ -272,7 +280,7 @@ def _run_configs(rank: int, world_size: int, configs: dict, dump: str | None = N
     torch.manual_seed(0)
     results = {}
     for name, (overrides, keep_grads) in configs.items():
-        results[name] = train_pipelined(job_config(*overrides), world_size, keep_grads)
+        results[name] = train_pipelined(parity_config(*overrides), world_size, keep_grads)
     if dump is not None:  # the real trainer: rank 0 (first stage) must log the last stage's loss
         results["trainer"] = run_trainer(rank, world_size, dump, *TRAINER_PP)
     return results

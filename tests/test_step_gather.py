@@ -26,10 +26,13 @@ from titan_simple.parallel.step_gather import StepGather, _chunk_rows
 from titan_simple.train.plan import choose_gather_mode
 
 STEPS = 10
-ACCUMULATION = Recipe(global_batch=8, steps=STEPS)  # 2 dp ranks x 4 accumulation steps of 1 sequence
-PIPELINE = Recipe(global_batch=16, steps=STEPS)  # 2 dp ranks x 8 pipeline microbatches of 1 sequence
-DEBUG_TENSORS = 57  # parameter tensors of the debug model: 6 blocks x 9, embedding, norm, output
-WAITS_BEFORE_BLOCK = [1, 2, 3, 4, 5, 6]  # the embedding, then one more block each
+N_LAYERS = 4  # debug model blocks: 2 per pipeline stage
+BLOCKS = (f"--model.n_layers={N_LAYERS}",)
+ACCUMULATION = Recipe(global_batch=8, steps=STEPS, extra=BLOCKS)  # 2 dp ranks x 4 accumulation steps of 1 sequence
+PIPELINE = Recipe(global_batch=16, steps=STEPS, extra=BLOCKS)  # 2 dp ranks x 8 pipeline microbatches of 1 sequence
+DEBUG_TENSORS = N_LAYERS * 9 + 3  # parameter tensors of the debug model: 9 per block, embedding, norm, output
+BUCKETS = N_LAYERS + 3  # one per block, embedding, norm, output
+WAITS_BEFORE_BLOCK = list(range(1, N_LAYERS + 1))  # the embedding, then one more block each
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -137,11 +140,12 @@ def pipeline() -> list[dict]:
 def test_accumulation_gathers_once_per_step(accumulation):
     reference = train_reference(ACCUMULATION, keep_grads=False)["losses"]
     for rank in accumulation:
-        assert rank["once_per_step"]["buckets"] == 9  # 6 blocks, embedding, norm, output
+        assert rank["once_per_step"]["buckets"] == BUCKETS
         # Per microbatch: every tensor gathered in forward and again in backward (resharding), reduced once.
         assert rank["per_microbatch"]["collectives"] == {"all_gather_into_tensor": 2 * 4 * DEBUG_TENSORS,
                                                          "reduce_scatter_tensor": 4 * DEBUG_TENSORS}
-        assert rank["once_per_step"]["collectives"] == {"all_gather_into_tensor": 9, "reduce_scatter_tensor": 9}
+        assert rank["once_per_step"]["collectives"] == {"all_gather_into_tensor": BUCKETS,
+                                                        "reduce_scatter_tensor": BUCKETS}
         assert max_rel_diff(rank["per_microbatch"]["losses"], reference) <= EAGER_RTOL
         assert max_rel_diff(rank["once_per_step"]["losses"], reference) <= EAGER_RTOL
         assert max_rel_diff(rank["once_per_step"]["losses"], rank["per_microbatch"]["losses"]) <= EAGER_RTOL
@@ -150,7 +154,7 @@ def test_accumulation_gathers_once_per_step(accumulation):
 
 @pytest.mark.slow
 def test_once_per_step_gathers_and_reduces_overlap_the_first_and_last_microbatch(accumulation):
-    """The step's edges overlap compute. All 9 all-gathers start before the first block runs, but each bucket
+    """The step's edges overlap compute. All 7 all-gathers start before the first block runs, but each bucket
     is waited for where its weights are first read: block i's gather is waited for after block i-1 has started.
     In the last microbatch's backward, a bucket's reduce-scatter starts as soon as its gradients are complete,
     while the earlier blocks' backward still runs; only the first blocks' and the embedding's come after."""
@@ -158,15 +162,17 @@ def test_once_per_step_gathers_and_reduces_overlap_the_first_and_last_microbatch
         events = rank["once_per_step"]["events"]
         first_forward = events.index(("forward", 0))
         assert [e for e in events[:first_forward] if e[0] == "all_gather_into_tensor"] == [
-            ("all_gather_into_tensor", -1)] * 9
-        waits_before = [sum(1 for e in events[:events.index(("forward", i))] if e[0] == "unpack") for i in range(6)]
+            ("all_gather_into_tensor", -1)] * BUCKETS
+        waits_before = [sum(1 for e in events[:events.index(("forward", i))] if e[0] == "unpack")
+                        for i in range(N_LAYERS)]
         assert waits_before == WAITS_BEFORE_BLOCK, waits_before
-        last_backward = [i for i, e in enumerate(events) if e == ("backward", 5)][-1]  # the last microbatch's
+        last = N_LAYERS - 1
+        last_backward = [i for i, e in enumerate(events) if e == ("backward", last)][-1]  # the last microbatch's
         reduce = ("reduce_scatter_tensor", -1)
-        # The output's and the norm's reduce-scatters start before block 5's backward; block k's as block k-1's
+        # The output's and the norm's reduce-scatters start before the last block's backward; block k's as block k-1's
         # backward starts; block 0's and the embedding's last.
         assert events[last_backward - 2: last_backward] == [reduce, reduce]
-        expected = [e for k in range(5, -1, -1) for e in (("backward", k), reduce)] + [reduce]
+        expected = [e for k in range(last, -1, -1) for e in (("backward", k), reduce)] + [reduce]
         assert events[last_backward:] == expected, events[last_backward:]
 
 
@@ -175,8 +181,9 @@ def test_pipeline_gathers_once_per_step(pipeline):
     reference = train_reference(PIPELINE, keep_grads=False)["losses"]
     for rank in pipeline:
         stage = rank["once_per_step"]["stages"]
-        buckets = 4 if stage == [0] else 5  # 3 blocks + embedding | 3 blocks + norm + output
-        tensors = 3 * 9 + (1 if stage == [0] else 2)
+        blocks = N_LAYERS // 2
+        buckets = blocks + (1 if stage == [0] else 2)  # blocks + embedding | blocks + norm + output
+        tensors = blocks * 9 + (1 if stage == [0] else 2)
         assert rank["once_per_step"]["buckets"] == buckets
         # Per microbatch (no resharding under PP by default): one all-gather and one reduce-scatter per tensor
         # and microbatch.
