@@ -27,19 +27,25 @@ Asserted: losses within 1e-5 and gradient norms within 1e-4 (relative) of the re
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
 
+from tests import parity
 from tests.distributed_utils import run_on_ranks
 from tests.inductor_code import overlap_in_generated_code
 from tests.parity import COMPILED_RTOL, SHARDED_NORM_RTOL, build_layout, max_rel_diff, train_steps
-from tests.test_pipeline import RECIPE, assert_parity, job_config, train_reference
+from tests.test_pipeline import RECIPE as PIPELINE_RECIPE
+from tests.test_pipeline import assert_parity, job_config
 from titan_simple.config import load_job_config
 from titan_simple.errors import ConfigError
 from titan_simple.parallel.compile import comm_plan_recorders
 from titan_simple.parallel.regions import EMBEDDING, HANDOFF, bucket_modules, region_bucket_plan
 
+# test_pipeline's recipe with the debug model's 6 blocks: 3 regions of 2, so that a middle region sits between the
+# first and the last (the parity files train fewer blocks).
+RECIPE = dataclasses.replace(PIPELINE_RECIPE, extra=())
 REGIONAL = ("--compile.enable", "--compile.regional")
 CONFIGS = {
     "fully_shard": ("--parallelism.data_parallel_shard_degree=2", "--training.local_batch_size=4", *REGIONAL),
@@ -105,7 +111,7 @@ def ranks() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    return train_reference()
+    return parity.train_reference(RECIPE)
 
 
 @pytest.mark.slow
