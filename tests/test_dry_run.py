@@ -1,7 +1,8 @@
 """The dry run: one fake rank of a real world size, meta tensors, per-rank memory / collectives / step time.
 
 Each dry run goes through ``train.py`` in its own process (the user's command, and DTensor allows one fake
-world per process).
+world per process). A dry run is one single-threaded process: the module starts the dry runs of the tests
+selected in it two at a time, ahead (``RUNS``, ``uses``), and each test waits for its own.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -21,14 +24,56 @@ from titan_simple.models.llama3 import LLAMA3_FLAVORS, Transformer, count_parame
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 
 
-def dry_run(tmp_path: Path, *args: str, timeout: int = 600) -> tuple[subprocess.CompletedProcess, dict | None]:
-    folder = tmp_path / "dump"
+DryRun = tuple[subprocess.CompletedProcess, dict | None]  # the process, and its dry_run.json if it wrote one
+
+
+def dry_run(folder: Path, *args: str, timeout: int = 900) -> DryRun:
     proc = subprocess.run(
         [sys.executable, "train.py", "--dry_run", "--job.dump_folder", str(folder), *args],
         cwd=PROJECT_DIR, capture_output=True, text=True, timeout=timeout,
     )
     path = folder / "dry_run.json"
     return proc, json.loads(path.read_text()) if path.exists() else None
+
+
+_LOSS = ("--config", "llama3_debug.toml", "--dry_run.world_size", "2", "--training.seq_len", "64",
+         "--training.local_batch_size", "2", "--dry_run.device", "cpu", "--training.mixed_precision_param", "bfloat16")
+TP2_CPU = ("--config", "llama3_debug.toml", "--training.seq_len", "32", "--training.local_batch_size", "2",
+           "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
+           "--training.mixed_precision_param", "float32")
+RUNS: dict[str, tuple[str, ...]] = {
+    "8b": ("--config", "llama3_8b.toml", "--dry_run.world_size", "8"),
+    **{f"8b_regional_{reshard}": ("--config", "llama3_8b.toml", "--dry_run.world_size", "8", "--dry_run.device", "h100",
+                                  "--compile.regional", "--parallelism.fsdp_reshard_after_forward", reshard)
+       for reshard in ("always", "never")},
+    "debug_tp2_cpu": (*TP2_CPU, "--dry_run.world_size", "2", "--dry_run.device", "cpu"),
+    "405b": ("--config", "llama3_405b.toml", "--dry_run.world_size", "512"),
+    "70b_world_100": ("--config", "llama3_70b.toml", "--dry_run.world_size", "100"),
+    "8b_batch_4": ("--config", "llama3_8b.toml", "--dry_run.world_size", "8", "--training.local_batch_size", "4"),
+    "debug": ("--config", "llama3_debug.toml", "--dry_run.world_size", "2"),
+    "70b": ("--config", "llama3_70b.toml", "--dry_run.world_size", "256"),
+    "loss_compiled": (*_LOSS, "--compile.enable", "true"),
+    "loss_plain": (*_LOSS, "--training.loss_chunks", "1"),
+    "loss_chunked": (*_LOSS, "--compile.enable", "false", "--training.loss_chunks", "8"),
+}
+
+
+def uses(*keys: str) -> Callable:
+    """Marks a test as reading the dry runs ``RUNS[key]``, so that the module starts them ahead."""
+    def mark(test: Callable) -> Callable:
+        test.dry_runs = keys
+        return test
+    return mark
+
+
+@pytest.fixture(scope="module")
+def runs(request, tmp_path_factory) -> Iterator[dict[str, Future[DryRun]]]:
+    """The dry runs of this module's selected tests, two at a time, in test order."""
+    keys = [key for item in request.session.items if getattr(item, "module", None) is request.module
+            for key in getattr(item.function, "dry_runs", ())]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        yield {key: pool.submit(dry_run, tmp_path_factory.mktemp(key) / "dump", *RUNS[key])
+               for key in dict.fromkeys(keys)}
 
 
 def test_private_apis_of_the_dry_run_exist():
@@ -56,8 +101,9 @@ def test_private_apis_of_the_dry_run_exist():
         dist.destroy_process_group()
 
 
-def test_8b_fsdp8_parameter_memory_is_exactly_a_shard(tmp_path):
-    proc, report = dry_run(tmp_path, "--config", "llama3_8b.toml", "--dry_run.world_size", "8")
+@uses("8b")
+def test_8b_fsdp8_parameter_memory_is_exactly_a_shard(runs):
+    proc, report = runs["8b"].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     with __import__("torch").device("meta"):
         n_params = count_parameters(Transformer(LLAMA3_FLAVORS["8B"]))
@@ -85,7 +131,8 @@ def test_8b_fsdp8_parameter_memory_is_exactly_a_shard(tmp_path):
 
 
 @pytest.mark.parametrize("reshard", ["always", "never"])
-def test_regional_compile_exposes_what_no_region_hides(tmp_path, reshard):
+@uses("8b_regional_always", "8b_regional_never")
+def test_regional_compile_exposes_what_no_region_hides(runs, reshard):
     """8B on 8 H100s, compute-bound, in regions of 2 blocks with the hand-off (each region gathers the next
     region's first block's attention norm and q / k / v projections, and reduces their gradients, behind its own
     compute; the embedding's region does it for the first). Nothing hides the embedding region's traffic (the
@@ -93,9 +140,7 @@ def test_regional_compile_exposes_what_no_region_hides(tmp_path, reshard):
     each region's last bucket's backward re-gather (the second block's w2; in the last region w2, the final norm
     and output). Within a bucket, bf16 gathers and the fp32 reduce-scatter weigh 1 : 1 : 2 (1 : 2 without the
     re-gather). The whole-model graph exposes one bucket (test_8b_fsdp8_parameter_memory_is_exactly_a_shard)."""
-    proc, report = dry_run(tmp_path, "--config", "llama3_8b.toml", "--dry_run.world_size", "8",
-                           "--dry_run.device", "h100", "--compile.regional",
-                           "--parallelism.fsdp_reshard_after_forward", reshard)
+    proc, report = runs[f"8b_regional_{reshard}"].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert report["comm_overlapped"]
     with __import__("torch").device("meta"):
@@ -122,17 +167,15 @@ def test_regional_compile_exposes_what_no_region_hides(tmp_path, reshard):
 
 
 @pytest.mark.slow
-def test_collective_counts_match_a_real_two_process_run(tmp_path):
+@uses("debug_tp2_cpu")
+def test_collective_counts_match_a_real_two_process_run(runs):
     """The fake-rank trace issues exactly the collectives a real 2-process gloo step issues. In fp32: without
     data parallel a bf16 step runs under autocast (the trainer's, which the measurement uses too), and autocast
     does nothing to the trace's meta tensors."""
     from titan_simple.planning.measure import measure
 
-    argv = ["--config", "llama3_debug.toml", "--training.seq_len", "32", "--training.local_batch_size", "2",
-            "--parallelism.tensor_parallel_degree", "2", "--parallelism.data_parallel_shard_degree", "1",
-            "--training.mixed_precision_param", "float32"]
-    measured = measure(2, argv, steps=1, port=29000 + os.getpid() % 1000)
-    proc, report = dry_run(tmp_path, *argv, "--dry_run.world_size", "2", "--dry_run.device", "cpu")
+    measured = measure(2, list(TP2_CPU), steps=1, port=29000 + os.getpid() % 1000)
+    proc, report = runs["debug_tp2_cpu"].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     predicted = Counter()
     for c in report["collectives_per_step"]:
@@ -140,8 +183,9 @@ def test_collective_counts_match_a_real_two_process_run(tmp_path):
     assert dict(predicted) == measured["collective_counts"]
 
 
-def test_405b_on_512_ranks_completes_and_fits(tmp_path):  # ~8 s on a quiet machine (a pp rank: 1/8 of the layers)
-    proc, report = dry_run(tmp_path, "--config", "llama3_405b.toml", "--dry_run.world_size", "512", timeout=900)
+@uses("405b")
+def test_405b_on_512_ranks_completes_and_fits(runs):  # ~8 s on a quiet machine (a pp rank: 1/8 of the layers)
+    proc, report = runs["405b"].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert report["mesh"] == "pp8 x dp_shard8 x tp8"
     assert report["pipeline"]["local_stages"] == [0, 8]
@@ -154,17 +198,18 @@ def test_405b_on_512_ranks_completes_and_fits(tmp_path):  # ~8 s on a quiet mach
     assert 0 < times["tensor_parallel_and_other_comm_exposed"] < times["tensor_parallel_and_other_comm"]
 
 
-def test_world_size_that_does_not_match_the_degrees_is_one_error_line(tmp_path):
-    proc, report = dry_run(tmp_path, "--config", "llama3_70b.toml", "--dry_run.world_size", "100", timeout=120)
+@uses("70b_world_100")
+def test_world_size_that_does_not_match_the_degrees_is_one_error_line(runs):
+    proc, report = runs["70b_world_100"].result()
     assert proc.returncode == 2 and report is None
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: [dry_run] world_size = 100"), proc.stderr
 
 
 @pytest.mark.slow
-def test_a_config_that_does_not_fit_names_the_largest_contributor(tmp_path):
-    proc, report = dry_run(tmp_path, "--config", "llama3_8b.toml", "--dry_run.world_size", "8",
-                           "--training.local_batch_size", "4")
+@uses("8b_batch_4")
+def test_a_config_that_does_not_fit_names_the_largest_contributor(runs):
+    proc, report = runs["8b_batch_4"].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not report["fits"] and report["memory_bytes"]["device_total"] > report["memory_bytes"]["device"]
     assert report["largest_contributor"] == "activations"
@@ -173,38 +218,32 @@ def test_a_config_that_does_not_fit_names_the_largest_contributor(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("config", "world_size", "mesh"), [("llama3_debug.toml", 2, "dp_shard2"),
-                                                             ("llama3_70b.toml", 256, "dp_shard32 x tp8")])
-def test_shipped_configs_dry_run_at_their_world_size(tmp_path, config, world_size, mesh):
+@pytest.mark.parametrize(("key", "mesh"), [("debug", "dp_shard2"), ("70b", "dp_shard32 x tp8")])
+@uses("debug", "70b")
+def test_shipped_configs_dry_run_at_their_world_size(runs, key, mesh):
     """With the 8B and 405B tests above, every shipped config plans at its intended world size and fits."""
-    proc, report = dry_run(tmp_path, "--config", config, "--dry_run.world_size", str(world_size), timeout=900)
+    proc, report = runs[key].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert report["mesh"] == mesh and report["fits"]
     assert report["memory_bytes"]["device_total"] < report["memory_bytes"]["device"]
     assert "tokens/s/GPU" in proc.stdout and report["tokens_per_second_per_gpu"] > 0
 
 
-def test_compiled_loss_is_modelled_as_keeping_no_fp32_log_probs(tmp_path):
+@uses("loss_compiled", "loss_chunked")
+def test_compiled_loss_is_modelled_as_keeping_no_fp32_log_probs(runs):
     """Where the training step compiles the loss with the model (one graph: no TP, no PP), the plan runs the plain
     loss (Inductor fuses it) and the dry run models that fused cross-entropy as keeping the logits' gradient in
     their dtype, no fp32 log-probabilities: its activations are those of the chunked eager loss."""
-    common = ("--config", "llama3_debug.toml", "--dry_run.world_size", "2", "--training.seq_len", "64",
-              "--training.local_batch_size", "2", "--dry_run.device", "cpu",
-              "--training.mixed_precision_param", "bfloat16")
-    _, compiled = dry_run(tmp_path / "compiled", *common, "--compile.enable", "true")
-    _, chunked = dry_run(tmp_path / "chunked", *common, "--compile.enable", "false", "--training.loss_chunks", "8")
+    compiled, chunked = runs["loss_compiled"].result()[1], runs["loss_chunked"].result()[1]
     assert "cross-entropy, compiled with the model (fused by Inductor" in "\n".join(compiled["plan"])
     assert compiled["memory_bytes"]["activations"] == chunked["memory_bytes"]["activations"]
 
 
-def test_chunked_loss_is_modelled_as_keeping_the_logits_gradient_not_fp32_log_probs(tmp_path):
+@uses("loss_plain", "loss_chunked")
+def test_chunked_loss_is_modelled_as_keeping_the_logits_gradient_not_fp32_log_probs(runs):
     """The chunked cross-entropy (``[training] loss_chunks``) keeps, instead of the fp32 [tokens, vocab]
     log-probabilities, the logits' gradient in their dtype (bf16 here): half the bytes."""
-    common = ("--config", "llama3_debug.toml", "--dry_run.world_size", "2", "--training.seq_len", "64",
-              "--training.local_batch_size", "2", "--dry_run.device", "cpu",
-              "--training.mixed_precision_param", "bfloat16")
-    _, plain = dry_run(tmp_path / "plain", *common, "--training.loss_chunks", "1")
-    _, chunked = dry_run(tmp_path / "chunked", *common, "--training.loss_chunks", "8")
+    plain, chunked = runs["loss_plain"].result()[1], runs["loss_chunked"].result()[1]
     tokens_x_vocab = 2 * 64 * LLAMA3_FLAVORS["debugmodel"].vocab_size
     saved = plain["memory_bytes"]["activations"] - chunked["memory_bytes"]["activations"]
     assert tokens_x_vocab * 2 <= saved <= tokens_x_vocab * 2 + 64  # fp32 minus bf16, to a few scalars
