@@ -71,11 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="outputs/repeat_test_jobs", help="folder for results.jsonl")
     parser.add_argument("--cold-cache", action="store_true", help="compile in every run (no FX graph cache)")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds before a run counts as hung")
+    parser.add_argument("--scratch", default=None,
+                        help="folder for the compile cache and the jobs' files (default: a new one); an earlier "
+                             "run's folder continues with its cache warm")
     args = parser.parse_args(argv)
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    scratch = tempfile.mkdtemp(prefix="repeat_test_jobs_")
+    scratch = args.scratch or tempfile.mkdtemp(prefix="repeat_test_jobs_")
+    print(f"scratch folder: {scratch}", flush=True)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     cache = "0" if args.cold_cache else "1"
@@ -90,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown jobs {unknown}; choose from {sorted(table)}")
     failures: dict[str, int] = dict.fromkeys(names, 0)
-    with open(out / "results.jsonl", "a") as log:
+    with open(out / "results.jsonl", "a") as log:  # appended: a continued run adds its rounds
         for run in range(1, args.runs + 1):
             for name in names:
                 fn, world, fn_args = table[name]
