@@ -1,4 +1,5 @@
-"""Run the suite's compiled multi-process test jobs again and again, and count the runs that crash (issue 30).
+"""Run the compiled multi-process test jobs that used to retry an abort again and again, and count the runs that
+crash (issue 30).
 
 Each job is what a test module's fixture hands ``tests.distributed_utils.run_on_ranks``: the same function, world
 size and arguments, so the same processes, layouts and steps. A run fails when a rank raises or dies (abort,
@@ -8,7 +9,9 @@ Rounds go over every job in turn, so a partial run still covers each job evenly.
 With ``--warm-cache`` (the default) Inductor's FX graph and AOT autograd caches are on in a folder of this run:
 the first round compiles, the later ones load the compiled code (as a restarted job would), so a round costs
 processes and steps, not compilation. The gloo race this checks for (docs/research/upstream_gloo_worker_thread_race.md)
-is in the collectives the steps issue, not in compilation.
+is in the collectives the steps issue, not in compilation; a cached graph skips our post-grad pass (its comm plan
+is restored from the cache), so later rounds run less compile-time code than the tests do. A continued run
+(``--scratch``) appends to ``results.jsonl`` with its rounds numbered from 1 again.
 
     .venv/bin/python scripts/repeat_test_jobs.py --runs 20 --out outputs/repeat_test_jobs
     .venv/bin/python scripts/repeat_test_jobs.py --runs 3 --jobs pipeline_2,tensor_parallel_4

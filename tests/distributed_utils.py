@@ -6,7 +6,9 @@
 a ``FileStore`` in a fresh temporary directory, so there is no port to race for). Whatever it returns
 must be picklable. Ranks fork from a forkserver that has already imported torch, Inductor and the trainer
 (spawning each rank cost ~3.5 s of CPU in imports: minutes of the suite on 2 cores); each rank gets the
-caller's environment at the time of the call. An exception in any rank is re-raised in the parent with the
+caller's environment at the time of the call, but what the preloaded modules read when imported (Inductor's
+``TORCHINDUCTOR_*`` config, for one) is the environment of the session's first call, and a rank writes to the
+stdout / stderr the server was started with. An exception in any rank is re-raised in the parent with the
 child's traceback; a rank that dies without reporting (segfault, abort) fails the call with its exit code.
 Every rank ends with ``dist.barrier(); dist.destroy_process_group()``: gloo occasionally aborts at interpreter
 exit otherwise.

@@ -9,8 +9,8 @@ ranks); the loop is the trainer's own step (``tests/parity.py``), which runs the
 Measured on 2 CPU cores, torch 2.13 (largest relative difference of the per-step losses from the reference,
 where printed): tp2 x pp2 compiled 1.2e-7; dp_replicate2 x tp2 eager 1.2e-7; dp_shard2 x tp2 x pp2
 (8 processes) eager 1.2e-7; dp_shard2 x tp2 compiled with transformer_block bucketing + reorder 1.2e-7
-(auto bucketing also gave 1.2e-7 here; test_compile.py now checks every bucketing setting on dp2 x tp2 against
-the unbucketed compile, more cheaply). Asserted: 1e-6 eager, 1e-5 compiled (test_pipeline's tolerances); gradient norms
+(auto bucketing also gave 1.2e-7 here; test_tensor_parallel.py now trains transformer_block and auto bucketing on
+dp2 x tp2 against one process). Asserted: 1e-6 eager, 1e-5 compiled (test_pipeline's tolerances); gradient norms
 1e-4 (torch's fp32 CPU norm of the sharded output-projection gradient; see test_tensor_parallel.py).
 (Those differences were measured with 6 blocks; with 2 the layouts pass the same tolerances.) Runtime of the
 jobs alone: 47 s for the 4-process one, 46 s for the 8-process one (2026-11-26, 2 blocks; 97 / 72 s with 6).
@@ -25,7 +25,7 @@ import pytest
 from tests import parity
 from tests.distributed_utils import run_on_ranks
 from tests.parity import COMPILED_RTOL, EAGER_RTOL, SHARDED_NORM_RTOL, build_layout, train_steps
-from tests.test_pipeline import GLOBAL_BATCH, assert_parity, job_config
+from tests.test_pipeline import GLOBAL_BATCH, MAX_NORM, assert_parity, job_config
 from tests.test_pipeline import RECIPE as PIPELINE_RECIPE
 
 N_LAYERS = 2  # 1F1B on pp2: a block per stage
@@ -72,9 +72,8 @@ EIGHT_RANK_CONFIGS = {
     "dp_shard2_tp2_pp2/compiled": _layout(1, 2, 2, 2, *COMPILE),
 }
 
-# Bucketing and reordering on the 2-D (dp, tp) mesh: test_compile.py checks every setting against the unbucketed
-# compile of the same layout, and the compiled dp_shard2 x tp2 x pp2 layout here (bucketed by default) against
-# the single-process reference; a separate dp_shard2 x tp2 bucketed job here repeated both (~100 s).
+# Bucketing and reordering on the 2-D (dp, tp) mesh: test_tensor_parallel.py trains transformer_block and auto
+# against one process, and the compiled dp_shard2 x tp2 x pp2 layout here (bucketed by default) too.
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +89,11 @@ def four_ranks() -> list[dict]:
 @pytest.fixture(scope="module")
 def eight_ranks() -> list[dict]:
     return run_on_ranks(_run_configs, 8, args=(EIGHT_RANK_CONFIGS,))
+
+
+def test_reference_clips(reference):
+    """Clipping is active in the reference, so the layouts' pp and tp ranks must agree on the global norm."""
+    assert reference["norms"][0] > MAX_NORM
 
 
 def _rtol(key: str) -> float:

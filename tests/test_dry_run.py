@@ -58,6 +58,9 @@ RUNS: dict[str, tuple[str, ...]] = {
 }
 
 
+TIMEOUTS = {"405b": 900, "70b": 900, "70b_world_100": 120}  # seconds; the others 600
+
+
 def uses(*keys: str) -> Callable:
     """Marks a test as reading the dry runs ``RUNS[key]``, so that the module starts them ahead."""
     def mark(test: Callable) -> Callable:
@@ -71,9 +74,13 @@ def runs(request, tmp_path_factory) -> Iterator[dict[str, Future[DryRun]]]:
     """The dry runs of this module's selected tests, two at a time, in test order."""
     keys = [key for item in request.session.items if getattr(item, "module", None) is request.module
             for key in getattr(item.function, "dry_runs", ())]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        yield {key: pool.submit(dry_run, tmp_path_factory.mktemp(key) / "dump", *RUNS[key])
+    pool = ThreadPoolExecutor(max_workers=2)
+    try:
+        yield {key: pool.submit(dry_run, tmp_path_factory.mktemp(key) / "dump", *RUNS[key],
+                                timeout=TIMEOUTS.get(key, 600))
                for key in dict.fromkeys(keys)}
+    finally:
+        pool.shutdown(cancel_futures=True)  # after a failure or -x: the runs not started yet are not started
 
 
 def test_private_apis_of_the_dry_run_exist():

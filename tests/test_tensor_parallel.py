@@ -142,7 +142,7 @@ TWO_RANK_CONFIGS = {
 FOUR_RANK_CONFIGS = {
     "dp2_tp2/eager": (DP2_TP2, STEPS, True),
     "dp2_tp2/compiled": ((*DP2_TP2, "--compile.enable"), STEPS, False),
-    "dp2_tp2/auto": ((*DP2_TP2, "--compile.enable", "--compile.bucketing=auto"), AC_STEPS, False),
+    "dp2_tp2/auto": ((*DP2_TP2, "--compile.enable", "--compile.bucketing=auto"), STEPS, False),
     "dp2_tp2/regional": ((*DP2_TP2, "--compile.enable", "--compile.regional", "--compile.regional_blocks=1"),
                          AC_STEPS, False),
     "dp2_tp2/ac_full": ((*DP2_TP2, "--activation_checkpoint.mode=full"), AC_STEPS, False),
@@ -244,14 +244,15 @@ def test_bucketing_on_dp2_tp2_buckets_the_dp_collectives(four_ranks):
     """Unbucketed, SimpleFSDP issues one dp all-gather per parameter in forward and one dp reduce-scatter per
     parameter in backward. transformer_block (the default, compiled above) issues one per block bucket, both ways.
     auto (Inductor's bucketer) buckets the forward all-gathers; on this mesh it leaves the backward reduce-scatters
-    one per parameter (measured, torch 2.13: 4 all-gathers, 21 reduce-scatters for 21 parameters)."""
+    one per parameter (measured, torch 2.13: 4 all-gathers, 21 reduce-scatters for 21 parameters), which is not
+    asserted: a torch that buckets them too is no regression."""
     n_params = 2 + N_LAYERS * 9 + 1  # embedding, per block 4 attention + 3 feed-forward + 2 norms, norm, output
     n_buckets = 1 + N_LAYERS + 1  # tok_embeddings, each block, norm + output
     per_block = four_ranks[0]["dp2_tp2/compiled"]["dp_collectives"]
     auto = four_ranks[0]["dp2_tp2/auto"]["dp_collectives"]
     print(f"dp collectives: transformer_block {per_block}, auto {auto}")
     assert per_block["forward/all_gather"] == n_buckets and per_block["backward/reduce_scatter"] == n_buckets
-    assert auto["forward/all_gather"] < n_params and auto["backward/reduce_scatter"] <= n_params
+    assert auto["forward/all_gather"] < n_params
 
 
 @pytest.mark.slow
