@@ -243,9 +243,9 @@ def test_auto_bucketing_on_dp2_tp2_matches_single_process(four_ranks, reference)
 def test_bucketing_on_dp2_tp2_buckets_the_dp_collectives(four_ranks):
     """Unbucketed, SimpleFSDP issues one dp all-gather per parameter in forward and one dp reduce-scatter per
     parameter in backward. transformer_block (the default, compiled above) issues one per block bucket, both ways.
-    auto (Inductor's bucketer) buckets the forward all-gathers; on this mesh it leaves the backward reduce-scatters
-    one per parameter (measured, torch 2.13: 4 all-gathers, 21 reduce-scatters for 21 parameters), which is not
-    asserted: a torch that buckets them too is no regression."""
+    auto (Inductor's bucketer) buckets the forward all-gathers; how far it buckets the rest follows its cost
+    estimates, which on CPU vary from run to run (two runs, torch 2.13: forward all-gathers 4 and 5, backward
+    reduce-scatters 21 and 14 of 21 parameters), so only the forward all-gathers are asserted."""
     n_params = 2 + N_LAYERS * 9 + 1  # embedding, per block 4 attention + 3 feed-forward + 2 norms, norm, output
     n_buckets = 1 + N_LAYERS + 1  # tok_embeddings, each block, norm + output
     per_block = four_ranks[0]["dp2_tp2/compiled"]["dp_collectives"]
