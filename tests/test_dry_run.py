@@ -27,7 +27,7 @@ PROJECT_DIR = Path(__file__).resolve().parent.parent
 DryRun = tuple[subprocess.CompletedProcess, dict | None]  # the process, and its dry_run.json if it wrote one
 
 
-def dry_run(folder: Path, *args: str, timeout: int = 900) -> DryRun:
+def dry_run(folder: Path, *args: str, timeout: int = 600) -> DryRun:
     proc = subprocess.run(
         [sys.executable, "train.py", "--dry_run", "--job.dump_folder", str(folder), *args],
         cwd=PROJECT_DIR, capture_output=True, text=True, timeout=timeout,
