@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -61,6 +62,16 @@ def test_op_policy_saves_attention_and_every_second_matmul():
         ("mm", ffn.w1.out_features, SAVE), ("mm", ffn.w3.out_features, RECOMPUTE), ("mm", ffn.w2.out_features, SAVE),
     ]
     assert log == one_forward * 2
+
+
+def test_op_policy_counts_a_recomputation_apart_from_its_forward():
+    """torch 2.11 calls the policy again while recomputing (ctx.is_recompute): the recomputation must see the
+    forward's decisions, not a count that runs on (it recomputed wk from wq's output, eagerly, on torch 2.11)."""
+    policy = SelectiveOpPolicy(every_second_matmul=True).fresh()
+    mm = torch.ops.aten.mm.default
+    forward = [policy(SimpleNamespace(is_recompute=False), mm) for _ in range(7)]
+    recomputed = [policy(SimpleNamespace(is_recompute=True), mm) for _ in range(7)]
+    assert forward == recomputed == [SAVE, RECOMPUTE, SAVE, RECOMPUTE, SAVE, RECOMPUTE, SAVE]
 
 
 def test_op_all_matmuls_policy_saves_every_matmul():

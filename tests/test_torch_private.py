@@ -128,7 +128,9 @@ def test_the_rank_local_scheduler_overrides_a_method_torch_calls():
 def test_rank_local_options_are_inductor_settings_and_nothing_syncs_by_default():
     private = _private_module()
     current = private.inductor_config.get_config_copy()
-    for key, value in private.rank_local_compile_options().items():
+    options = private.rank_local_compile_options()
+    assert len(options) == 4  # torch 2.13 has all four; one missing in a newer torch is left out silently
+    for key, value in options.items():
         assert key in current and value is False, key
     assert private.cross_rank_compile_settings() == []
 

@@ -193,21 +193,24 @@ class SelectiveOpPolicy:
     recomputed. ``False`` (``"op_all_matmuls"``): every matmul output is saved (less recompute, more memory).
     Attention outputs and tensor-parallel collectives are always saved.
 
-    The matmul count restarts for every checkpointed forward: ``fresh()`` gives each call its own counter
-    (torch calls the policy in forward only; recomputation replays the forward's decisions)."""
+    The matmul count restarts for every checkpointed forward: ``fresh()`` gives each call its own counters, one
+    for the forward and one for its recomputation. torch 2.13 calls the policy in the forward only (the
+    recomputation replays its decisions); torch 2.11 calls it again while recomputing (``ctx.is_recompute``), where
+    one shared count would run on and recompute wk from wq's saved output (seen eagerly on torch 2.11)."""
 
     def __init__(self, every_second_matmul: bool) -> None:
         self.every_second_matmul = every_second_matmul
         self.cache_key = "selective_op(every second matmul)" if every_second_matmul else "selective_op(all matmuls)"
-        self.matmuls = 0
+        self.matmuls = {False: 0, True: 0}  # is_recompute -> matmuls seen
 
     def fresh(self) -> SelectiveOpPolicy:
         return SelectiveOpPolicy(self.every_second_matmul)
 
     def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if op in _MATMULS:
-            self.matmuls += 1
-            if self.every_second_matmul and self.matmuls % 2 == 0:
+            recomputing = bool(getattr(ctx, "is_recompute", False))
+            self.matmuls[recomputing] += 1
+            if self.every_second_matmul and self.matmuls[recomputing] % 2 == 0:
                 return CheckpointPolicy.PREFER_RECOMPUTE
             return CheckpointPolicy.MUST_SAVE
         if op in _ATTENTION or op in _TENSOR_PARALLEL_COLLECTIVES:

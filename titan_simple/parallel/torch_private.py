@@ -153,8 +153,7 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
      "async_tensor_parallel_matches: whether a reduce-scatter's input is a matmul's output"),
     (partitioners, "functionalize_rng_ops",
      "prepare_compile: wrapped to put recomputed ops' RNG states before the saved DeviceMesh (torch bug)"),
-    (graph_compile, "is_opaque_node",
-     "prepare_compile: tells a saved opaque object (a DTensor's DeviceMesh) from a saved tensor"),
+    (graph_compile, "is_opaque_node", "prepare_compile: tells a saved DeviceMesh (opaque object) from a tensor"),
     (rng_prims, "run_and_save_rng_state", "prepare_compile: marks the RNG states functionalize_rng_ops saves"),
 )
 
@@ -296,10 +295,9 @@ def async_tensor_parallel_matches(graph: torch.fx.Graph) -> tuple[int, int]:
     """How many all-gathers feeding matmuls and reduce-scatters fed by a matmul a post-grad ``graph`` holds, as
     Inductor's async-TP pass finds them (its pattern finders and its consumer / producer matmul searches), without
     fusing anything: what the pass would fuse on GPUs."""
-    gathers = [m for m in micro_pipeline_tp.find_all_gather_patterns(graph)
-               if micro_pipeline_tp._find_consumer_matmuls(m.res_node)]
-    reduces = [m for m in micro_pipeline_tp.find_reduce_scatter_patterns(graph)
-               if micro_pipeline_tp._find_producer_matmul(m.input_node) is not None]
+    tp = micro_pipeline_tp
+    gathers = [m for m in tp.find_all_gather_patterns(graph) if tp._find_consumer_matmuls(m.res_node)]
+    reduces = [m for m in tp.find_reduce_scatter_patterns(graph) if tp._find_producer_matmul(m.input_node) is not None]
     return len(gathers), len(reduces)
 
 
@@ -354,7 +352,8 @@ def _functionalize_rng_ops_before_opaque(joint_module, fw_module, bw_module, num
 
 
 def _fix_rng_functionalization_with_opaque_saved_values() -> None:
-    partitioners.functionalize_rng_ops = _functionalize_rng_ops_before_opaque
+    if hasattr(graph_compile, "is_opaque_node"):  # torch 2.11 (on our first GPU) has neither it nor the bug
+        partitioners.functionalize_rng_ops = _functionalize_rng_ops_before_opaque
 # --- compiling without cross-rank synchronization (pipeline parallel deadlock, issue 30) ----------------------
 #
 # Pipeline stages compile lazily, one after the other, while the ranks of the other stages wait in a P2P receive:
@@ -421,11 +420,12 @@ def analytical_runtime_ms(node: torch.fx.Node, override_size: int | None = None)
 def rank_local_compile_options() -> dict[str, bool]:
     """Inductor settings (for ``torch.compile(options=...)``, this compile only) pinned off because each makes a
     compile talk to every rank: distributed GEMM autotuning, Inductor's own overlap scheduling (its default
-    estimator benchmarks and aligns over the world) and its SPMD graph check."""
-    return {"distributed_max_autotune_gemm": False,
-            "aten_distributed_optimizations.enable_overlap_scheduling": False,
-            "aten_distributed_optimizations.spmd_check": False,
-            "reorder_for_compute_comm_overlap": False}
+    estimator benchmarks and aligns over the world) and its SPMD graph check. One this torch lacks cannot run: left
+    out (torch 2.11, on our first GPU machine, has no ``spmd_check``)."""
+    known = inductor_config.get_config_copy()
+    return {name: False for name in ("distributed_max_autotune_gemm", "reorder_for_compute_comm_overlap",
+                                     "aten_distributed_optimizations.enable_overlap_scheduling",
+                                     "aten_distributed_optimizations.spmd_check") if name in known}
 
 
 def cross_rank_compile_settings() -> list[str]:
