@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# One GPU, one short session: what a node with a single GPU can show about titan_simple (issue 30's first GPU run).
+#
+#   bash scripts/gpu_session.sh OUT_DIR        # about 7 minutes on one H100 / H200
+#
+# Phase 1 (jobs side by side, each under its own time limit; only correctness is read from them):
+#   gpu_check      scripts/gpu_check.py on the visible GPU (compile vs eager in bf16, memory, MFU, DCP, trace)
+#   debug          the README's default job on one GPU, with the profiler and the CUDA memory snapshot on
+#   deterministic  the debug job with [training] deterministic = true (cross-entropy on CUDA), eager and compiled
+#   8b, 70b, 405b  each shipped config's own settings (AC, compile mode, bucketing, reorder) at debug scale on one
+#                  GPU: the debug model and tokenizer, the built-in data, every parallel degree 1
+#   70b_eager      70b's run eager: its losses are compared with the compiled run's
+#   sac2_regional  block-level selective AC (every 2nd block) with regional compile
+# Phase 2 (alone on the GPU, one after the other): tokens/s and MFU of the 8B config's settings on 4 of its layers
+# (8B's dims, seq 8192, the debug tokenizer), compiled as shipped against eager.
+#
+# With one GPU no collective runs (NCCL refuses two ranks on one GPU): SimpleFSDP's gathers, bucketing, reordering
+# and async TP need 2+ GPUs. Each job's log lands in OUT_DIR/logs.tar.gz; a summary is printed and written.
+set -u
+OUT_DIR=${1:?usage: gpu_session.sh OUT_DIR}
+LOGS=$(mktemp -d)
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=4
+TRAIN=(${TORCHRUN:-"${PYTHON:-python3}" -m torch.distributed.run} --standalone --nproc_per_node=1 train.py)
+DEBUG=(--model.flavor=debugmodel --model.tokenizer_path=assets/tokenizer/shakespeare_bpe_2k.json
+       --training.dataset=shakespeare --training.dataset_path=none --training.seq_len=128 --training.local_batch_size=8
+       --training.steps=20 --lr_scheduler.warmup_steps=2 --metrics.log_freq=1 --metrics.enable_tensorboard=false
+       --parallelism.data_parallel_shard_degree=1 --parallelism.tensor_parallel_degree=1
+       --parallelism.pipeline_parallel_degree=1 --parallelism.enable_async_tensor_parallel=false
+       --model.n_layers=4)
+
+# A rehearsal on CPU first: PHASE1_EXTRA="--training.steps=2" SPEED_EXTRA="--model.flavor=debugmodel ..." (each
+# appended to its phase's train.py jobs; later options win).
+read -r -a PHASE1_EXTRA <<<"${PHASE1_EXTRA:-}"
+read -r -a SPEED_EXTRA <<<"${SPEED_EXTRA:-}"
+
+job() {  # job NAME SECONDS COMMAND...: run in the background under a time limit, log to $LOGS/NAME.log
+  local name=$1 seconds=$2; shift 2
+  (timeout -k 10 "$seconds" "$@" >"$LOGS/$name.log" 2>&1; echo "exit $?" >>"$LOGS/$name.log") &
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOGS/gpu.txt"
+"${PYTHON:-python3}" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())" | tee -a "$LOGS/gpu.txt"
+
+echo "phase 1: $(date +%T)"
+job gpu_check 200 "${PYTHON:-python3}" scripts/gpu_check.py --keep
+job debug 200 "${TRAIN[@]}" --config configs/llama3_debug.toml --training.steps=20 --metrics.log_freq=1 \
+    --profiling.enable_profiling --profiling.enable_memory_snapshot --profiling.profile_freq=10 \
+    --job.dump_folder="$LOGS/run_debug" "${PHASE1_EXTRA[@]}"
+job deterministic 200 "${TRAIN[@]}" --config configs/llama3_debug.toml --training.steps=5 --metrics.log_freq=1 \
+    --training.deterministic --job.dump_folder="$LOGS/run_deterministic" "${PHASE1_EXTRA[@]}"
+job deterministic_compiled 200 "${TRAIN[@]}" --config configs/llama3_debug.toml --training.steps=5 --metrics.log_freq=1 \
+    --training.deterministic --compile.enable --job.dump_folder="$LOGS/run_deterministic_compiled" "${PHASE1_EXTRA[@]}"
+for name in 8b 70b 405b; do
+  job "$name" 200 "${TRAIN[@]}" --config "configs/llama3_$name.toml" "${DEBUG[@]}" --job.dump_folder="$LOGS/run_$name" "${PHASE1_EXTRA[@]}"
+done
+job 70b_eager 200 "${TRAIN[@]}" --config configs/llama3_70b.toml "${DEBUG[@]}" --compile.enable=false \
+    --job.dump_folder="$LOGS/run_70b_eager" "${PHASE1_EXTRA[@]}"
+job sac2_regional 200 "${TRAIN[@]}" --config configs/llama3_8b.toml "${DEBUG[@]}" --activation_checkpoint.mode=selective \
+    --activation_checkpoint.selective_ac_option=2 --compile.regional --job.dump_folder="$LOGS/run_sac2" "${PHASE1_EXTRA[@]}"
+wait
+
+echo "phase 2: $(date +%T)"
+SPEED=(--config configs/llama3_8b.toml --model.n_layers=4 --model.tokenizer_path=assets/tokenizer/shakespeare_bpe_2k.json
+       --training.dataset=shakespeare --training.dataset_path=none --training.steps=14 --metrics.log_freq=1
+       --metrics.enable_tensorboard=false --lr_scheduler.warmup_steps=2)
+timeout -k 10 130 "${TRAIN[@]}" "${SPEED[@]}" --job.dump_folder="$LOGS/run_speed_compiled" "${SPEED_EXTRA[@]}" >"$LOGS/speed_compiled.log" 2>&1
+echo "exit $?" >>"$LOGS/speed_compiled.log"
+timeout -k 10 60 "${TRAIN[@]}" "${SPEED[@]}" --compile.enable=false --job.dump_folder="$LOGS/run_speed_eager" "${SPEED_EXTRA[@]}" \
+    >"$LOGS/speed_eager.log" 2>&1
+echo "exit $?" >>"$LOGS/speed_eager.log"
+echo "done: $(date +%T)"
+
+mkdir -p "$OUT_DIR"
+"${PYTHON:-python3}" scripts/gpu_session_summary.py "$LOGS" | tee "$OUT_DIR/summary.txt"
+find "$LOGS" -name '*.pickle' -size +8M -delete  # keep the archive small; their sizes are in the summary
+tar -czf "$OUT_DIR/logs.tar.gz" --exclude=compile_cache --exclude=checkpoint -C "$LOGS" .
