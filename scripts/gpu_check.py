@@ -32,8 +32,9 @@ given or a row failed; it holds each job's log (``job-K.log``).
 rows; ``row:crash`` makes rank 0 die during the row without reporting, as a segfault would), so a test can check
 that a failure is reported, exits non-zero and the other rows still run. Nothing else reads it.
 
-No GPU has run this script yet. Its CUDA paths were checked by reading torch 2.13's sources (named where they
-are used) and its decisions are unit-tested with fake inputs (tests/test_gpu_check.py); its CPU run is tested.
+One GPU has run it (an H200 with torch 2.11, docs/gpu_runs.md): every row passed, the process group and async TP
+skipped as one GPU must. Its multi-GPU paths were checked by reading torch 2.13's sources (named where they are
+used) and its decisions are unit-tested with fake inputs (tests/test_gpu_check.py); its CPU run is tested.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import statistics
 import sys
 from pathlib import Path
 
-STEP = re.compile(r"step (\d+)/\d+ \| (.*)$")
+STEP = re.compile(r"step +(\d+)/\d+ \| (.*)$")
 NUMBER = re.compile(r"^([\w/()%]+) ([-+0-9.,e]+)")
 ERROR = re.compile(r"(Error|error:|Traceback|FAIL|Segmentation|core dumped|Killed)")
 WARMUP = 4  # steps left out of the speed medians (compilation, the first allocator growth)
