@@ -50,10 +50,30 @@ class Model:
         0, "Transformer blocks, overriding the flavor's (0 = the flavor's): for depth experiments such as "
         "compile time against depth (scripts/benchmark_compile.py)."
     )
+    converters: list[str] = option(
+        [], "Module swaps applied to the model on the meta device, before tensor parallel and SimpleFSDP: "
+        "'float8' (torchao's float8 linears, configured in [float8]; needs the float8 extra and a GPU with float8 "
+        "matmuls, compute capability 8.9+, or a CPU, where torch emulates them: numerics only, no speed)."
+    )
     tokenizer_path: str = option(
         "assets/tokenizer/shakespeare_bpe_2k.json",
         "A Hugging Face tokenizer.json, or a tiktoken-format tokenizer.model such as Llama 3's "
         "(relative paths: the working directory first, then the project folder).",
+    )
+
+
+@dataclass
+class Float8:
+    recipe: str = option(
+        "tensorwise", "How float8 linears scale: tensorwise (one scale per tensor; the fastest in TorchTitan's H100 "
+        "runs), rowwise (one per row: more accurate, its backward's weight gradient in float8 too) or "
+        "rowwise_with_gw_hp (rowwise, the weight gradient in high precision).",
+        choices=("tensorwise", "rowwise", "rowwise_with_gw_hp"),
+    )
+    filter_fqns: list[str] = option(
+        ["output"], "Linears kept in high precision: a linear whose name contains one of these stays as it is "
+        "(default: the output projection, whose accuracy the loss feels most). Linears whose dimensions are not "
+        "multiples of 16 (float8 matmuls need them) stay too; the plan line counts both."
     )
 
 
@@ -372,6 +392,7 @@ class DryRun:
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
+    float8: Float8 = field(default_factory=Float8)
     optimizer: Optimizer = field(default_factory=Optimizer)
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     training: Training = field(default_factory=Training)
@@ -462,7 +483,10 @@ def _coerce(value: Any, tp: Any) -> Any:
 
 
 def _parse_cli_value(text: str, tp: Any) -> Any:
-    """Turn a command-line string into a value of type ``tp`` (TOML syntax for lists, bare words for str)."""
+    """Turn a command-line string into a value of type ``tp`` (TOML syntax for lists, bare words for str; a list
+    of strings also takes comma-separated bare words: ``--model.converters float8``)."""
+    if tp == list[str] and not text.lstrip().startswith("["):
+        return [word.strip() for word in text.split(",") if word.strip()]
     allowed = {tp} if typing.get_origin(tp) not in (types.UnionType, typing.Union) else set(typing.get_args(tp))
     if type(None) in allowed and text.lower() in ("none", "null"):
         return None
@@ -596,6 +620,9 @@ def load_job_config(argv: list[str] | None = None) -> JobConfig:
 # ---------------------------------------------------------------------------------------------- checks
 
 
+CONVERTERS = ("float8",)  # [model] converters
+
+
 def _require(ok: bool, config: JobConfig, section: str, key: str, expected: str) -> None:
     if not ok:
         value = getattr(getattr(config, section), key)
@@ -608,6 +635,9 @@ def validate(config: JobConfig) -> None:
     training, parallelism = config.training, config.parallelism
     optimizer, lr_scheduler = config.optimizer, config.lr_scheduler
     _require(config.model.n_layers >= 0, config, "model", "n_layers", "0 (the flavor's) or a positive number")
+    _require(set(config.model.converters) <= set(CONVERTERS) and len(set(config.model.converters))
+             == len(config.model.converters), config, "model", "converters",
+             f"a list of distinct converters from {list(CONVERTERS)}, e.g. [\"float8\"]")
     _require(training.steps > 0, config, "training", "steps", "a positive number of steps")
     _require(training.local_batch_size > 0, config, "training", "local_batch_size", "a positive integer")
     _require(training.global_batch_size == -1 or training.global_batch_size > 0, config, "training",

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_simple.models.float8 import convert_to_float8
 from titan_simple.models.llama3 import ModelArgs, Transformer, count_parameters, flops_per_token
 from titan_simple.parallel.parallelize import parallelize_llama
 from titan_simple.parallel.pipeline import PipelineRun, build_pipeline
@@ -63,6 +64,8 @@ def build_model_parts(plan: RunPlan, mesh: DeviceMesh | None, device: torch.devi
     training = plan.config.training
     with torch.device("meta"):
         model = Transformer(plan.model_args)
+    if plan.float8 is not None:  # before tensor parallel, AC and SimpleFSDP: they see plain linears' weights
+        convert_to_float8(model, plan.float8.recipe, list(plan.float8.filter_fqns), emulate=plan.float8.emulate)
     num_params = count_parameters(model)
     flops = flops_per_token(plan.model_args, count_parameters(model, exclude_embedding=True), training.seq_len)
     if plan.pipeline is not None:

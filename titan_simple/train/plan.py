@@ -31,6 +31,7 @@ import torch
 from titan_simple.config import JobConfig
 from titan_simple.data.datasets import data_cache_folder
 from titan_simple.errors import ConfigError
+from titan_simple.models.float8 import Float8Plan, plan_float8
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, ModelArgs, build_model
 from titan_simple.parallel.compile import CompilePlan
 from titan_simple.parallel.dims import ParallelDims, validate_parallelism
@@ -82,6 +83,7 @@ class RunPlan:
     loss: LossPlan
     data: DataOrder
     validation: ValidationPlan | None
+    float8: Float8Plan | None = None  # [model] converters = ["float8"]
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)  # why "auto" / "default" chose
 
     @property
@@ -123,8 +125,9 @@ class RunPlan:
         precision = self.precision
         autocast = (f"autocast {_name(precision.autocast_dtype)}" if precision.autocast_dtype is not None
                     else "no autocast")
+        float8 = "" if self.float8 is None else f" | {self.float8.describe()}"
         lines.append(f"  precision: {_name(precision.param_dtype)} compute{why('dtype')}, "
-                     f"{_name(precision.reduce_dtype)} reduce, {autocast}")
+                     f"{_name(precision.reduce_dtype)} reduce, {autocast}{float8}")
         shuffle = (f"shuffled (seed {self.data.shuffle_seed})" if self.data.shuffle_seed is not None
                    else "in store order")
         lines.append(f"  batch: {self.data.global_rows} x {training.seq_len} = {self.global_tokens:,} tokens per "
@@ -175,6 +178,7 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     model_args = model_args_for(config)
     validate_parallelism(dims, model_args, config)
     check_profiling(config, world_size, device_type)
+    float8 = plan_float8(config.model.converters, config.float8, model_args, device_type)
     pipeline = plan_pipeline(config, model_args.n_layers, dims.pp) if dims.pp > 1 else None
     training = config.training
     accumulation = accumulation_steps(training.global_batch_size, training.local_batch_size, dims.dp)
@@ -207,7 +211,7 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     loss = LossPlan(parallel=loss_parallel, compiled_with_model=compile_mode == "whole_with_loss",
                     chunks=choose_loss_chunks(config, compile_mode, reasons))
     if compile_plan.enabled:
-        fingerprint = compile_fingerprint(config, model_args, parallel, loss, pipeline, accumulation)
+        fingerprint = compile_fingerprint(config, model_args, parallel, loss, pipeline, accumulation, float8)
         parallel = dataclasses.replace(parallel, compile=dataclasses.replace(compile_plan, fingerprint=fingerprint))
     data = DataOrder(global_rows=training.local_batch_size * dims.dp * accumulation,
                      shuffle_seed=training.seed if training.shuffle else None,
@@ -215,8 +219,9 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     return RunPlan(
         config=config, dims=dims, device_type=device_type, model_args=model_args, pipeline=pipeline,
         accumulation_steps=accumulation, precision=precision, gather_mode=gather, parallel=parallel, loss=loss,
-        data=data, validation=plan_validation(config, dims, pipeline), reasons=reasons,
+        data=data, validation=plan_validation(config, dims, pipeline), float8=float8, reasons=reasons,
     )
+
 
 
 def check_profiling(config: JobConfig, world_size: int, device_type: str) -> None:
@@ -241,7 +246,7 @@ def compile_cache_folder(config: JobConfig) -> str:
 
 
 def compile_fingerprint(config: JobConfig, model_args: ModelArgs, parallel: ParallelPlan, loss: LossPlan,
-                        pipeline: PipelinePlan | None, accumulation: int) -> str:
+                        pipeline: PipelinePlan | None, accumulation: int, float8: Float8Plan | None = None) -> str:
     """What this rank's compiled graphs are made of, hashed: the model, the layout and what the recipe applies
     (dtypes, checkpointing, compile settings), the loss, the shapes of a microbatch, the torch version and this
     package's source. It names the comm plan's copy in the compile cache (torch's own cache keys decide
@@ -249,7 +254,8 @@ def compile_fingerprint(config: JobConfig, model_args: ModelArgs, parallel: Para
     training = config.training
     parts = [repr(model_args), repr(dataclasses.replace(parallel, compile=dataclasses.replace(
                  parallel.compile, dump_folder=None, cache_dir="", fingerprint=""))),
-             repr(loss), repr(pipeline), str(accumulation), str(training.seq_len), str(training.local_batch_size),
+             repr(loss), repr(pipeline), repr(float8), str(accumulation), str(training.seq_len),
+             str(training.local_batch_size),
              str(config.parallelism.pipeline_parallel_microbatch_size), torch.__version__, _package_source_hash()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 

@@ -1,0 +1,144 @@
+"""Float8 linears (issue 31, part 1): the config, which linears convert, the one-line refusals, and training on CPU.
+
+On CPU torchao's emulation runs (``models/float8.py``): every cast to float8 is real, the matmul runs in fp32 on the
+dequantized values. So the numbers here are float8's numbers (a few e-4 away from fp32 after 3 steps), and equal
+layouts must agree as closely as they do in fp32: the casts are elementwise given the scale, and tensorwise's scale
+is the amax of the whole (gathered) weight, the same on every layout.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from tests.distributed_utils import run_on_ranks
+from tests.parity import Recipe, build_layout, max_rel_diff, train_reference, train_steps
+from titan_simple.config import load_job_config
+from titan_simple.errors import ConfigError
+from titan_simple.models import float8 as float8_module
+from titan_simple.models.float8 import Float8Targets, float8_problem, float8_targets
+from titan_simple.train.plan import resolve_plan
+
+pytest.importorskip("torchao.float8")
+
+RECIPE = Recipe(steps=3, extra=("--model.n_layers=2",))
+FLOAT8 = ("--model.converters=float8",)
+# Largest relative loss differences over 3 steps, measured (2 blocks, fp32 CPU, 2026-11-26; -s prints them):
+# * float8 against fp32: tensorwise 4.8e-5, rowwise 1.6e-5. A run that converted nothing gives 0: the lower bound.
+FP32_GAP = (1e-7, 2e-3)
+# * compiled against eager (tensorwise 2.2e-6, rowwise 3.7e-6): Inductor computes the amax and the scale in another
+#   order; an element at a float8 rounding boundary then rounds the other way (one float8 step, 2^-3 relative).
+COMPILED_RTOL = 1e-5
+# * fully_shard on 2 ranks against 1 process. Rowwise (1.7e-6): each row's scale is its own, whatever the batch
+#   split: fp32 reduction order only. Tensorwise (1.6e-5): each rank scales its activations by its own half-batch's
+#   amax, so every activation rounds to float8 differently: a difference of the order of float8's own gap to fp32
+#   (4.8e-5), which is as close as dynamic tensorwise scaling can be across layouts (TorchTitan's too).
+SHARDED_RTOL = {"rowwise": 5e-6, "tensorwise": 1e-4}
+NORM_RTOL = 2e-4  # sharded fp32 norms alone differ by 4.3e-5 (tests/test_simple_fsdp_llama.py); measured 9.3e-5
+
+
+def test_converters_and_float8_section_parse():
+    config = load_job_config(["--model.converters", "float8", "--float8.recipe", "rowwise",
+                              "--float8.filter_fqns", "output,layers.0.attention"])
+    assert config.model.converters == ["float8"] and config.float8.recipe == "rowwise"
+    assert config.float8.filter_fqns == ["output", "layers.0.attention"]
+    assert load_job_config([]).float8.filter_fqns == ["output"]
+    with pytest.raises(ConfigError, match=r"\[model\] converters = \['fp8'\] is impossible"):
+        load_job_config(["--model.converters", "fp8"])
+    with pytest.raises(ConfigError, match="choose one of tensorwise, rowwise, rowwise_with_gw_hp"):
+        load_job_config(["--float8.recipe", "delayed"])
+
+
+def test_targets_skip_the_filtered_and_the_misaligned():
+    model = nn.ModuleDict({"a": nn.Linear(32, 64), "b": nn.Linear(20, 32), "output": nn.Linear(64, 48)})
+    assert float8_targets(model, ["output"]) == Float8Targets(converted=("a",), filtered=("output",),
+                                                              misaligned=("b",))
+    assert float8_targets(model, []).describe("rowwise") == (
+        "float8 rowwise: 2 linears, 1 with dims not multiples of 16 kept in high precision")
+
+
+def test_the_plan_counts_the_debug_models_linears():
+    plan = resolve_plan(RECIPE.config(*FLOAT8), 1, "cpu")
+    assert plan.float8.targets.converted == tuple(
+        f"layers.{i}.{name}" for i in range(2) for name in (
+            "attention.wq", "attention.wk", "attention.wv", "attention.wo",
+            "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"))
+    assert plan.float8.targets.filtered == ("output",) and plan.float8.emulate
+    assert "float8 tensorwise: 14 linears, 1 by filter_fqns kept in high precision" in "\n".join(plan.describe())
+    assert resolve_plan(RECIPE.config(), 1, "cpu").float8 is None
+
+
+def test_without_torchao_the_plan_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # import fails as if torchao were missing
+    with pytest.raises(ConfigError, match=r"needs torchao, which is not installed: pip install -e '\.\[float8\]'"):
+        resolve_plan(RECIPE.config(*FLOAT8), 1, "cpu")
+
+
+def test_a_gpu_without_float8_matmuls_is_refused(monkeypatch):
+    monkeypatch.setattr(float8_module.torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    monkeypatch.setattr(float8_module.torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    assert float8_problem("cuda") == (
+        "[model] converters = ['float8'] needs float8 matmuls (compute capability 8.9+: H100, H200, L40S, RTX 4090); "
+        "NVIDIA A100-SXM4-80GB has 8.0: drop float8 from [model] converters")
+    monkeypatch.setattr(float8_module.torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert float8_problem("cuda") is None
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return train_reference(RECIPE, keep_grads=False)
+
+
+@pytest.fixture(scope="module")
+def one_process() -> dict[str, dict]:
+    """Each recipe's eager single-process run."""
+    return {recipe: train_reference(RECIPE, *FLOAT8, f"--float8.recipe={recipe}", keep_grads=False)
+            for recipe in ("tensorwise", "rowwise")}
+
+
+@pytest.fixture(scope="module")
+def float8_eager(one_process) -> dict:
+    return one_process["tensorwise"]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_trains_close_to_fp32_but_not_equal(recipe, reference, one_process):
+    run = one_process[recipe]
+    gap = max_rel_diff(run["losses"], reference["losses"])
+    print(f"float8 {recipe} vs fp32: losses {gap:.1e}")
+    assert FP32_GAP[0] < gap < FP32_GAP[1], (recipe, run["losses"], reference["losses"])
+
+
+def test_float8_compiled_matches_eager(float8_eager):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        config = RECIPE.config(f"--training.local_batch_size={RECIPE.global_batch}", *FLOAT8, "--compile.enable")
+        compiled = train_steps(build_layout(config), RECIPE)
+    finally:
+        torch.set_num_threads(threads)
+    print(f"float8 compiled vs eager: losses {max_rel_diff(compiled['losses'], float8_eager['losses']):.1e}")
+    assert max_rel_diff(compiled["losses"], float8_eager["losses"]) <= COMPILED_RTOL
+    assert max_rel_diff(compiled["norms"], float8_eager["norms"]) <= NORM_RTOL
+
+
+def _fully_shard(rank: int, world_size: int) -> dict:
+    out = {}
+    for recipe in SHARDED_RTOL:
+        config = RECIPE.config(f"--training.local_batch_size={RECIPE.global_batch // world_size}", *FLOAT8,
+                               f"--float8.recipe={recipe}", f"--parallelism.data_parallel_shard_degree={world_size}")
+        out[recipe] = train_steps(build_layout(config, world_size), RECIPE)
+    return out
+
+
+@pytest.mark.slow
+def test_float8_fully_shard_matches_one_process(one_process):
+    for rank_result in run_on_ranks(_fully_shard, 2):
+        for recipe, rtol in SHARDED_RTOL.items():
+            loss_diff = max_rel_diff(rank_result[recipe]["losses"], one_process[recipe]["losses"])
+            print(f"float8 {recipe} fully_shard vs one process: losses {loss_diff:.1e}")
+            assert loss_diff <= rtol, recipe
+            assert max_rel_diff(rank_result[recipe]["norms"], one_process[recipe]["norms"]) <= NORM_RTOL, recipe
