@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One GPU, one short session: what a node with a single GPU can show about titan_simple (issue 30's first GPU run).
 #
-#   bash scripts/gpu_session.sh OUT_DIR        # about 7 minutes on one H100 / H200
+#   bash scripts/gpu_session.sh OUT_DIR          # the single-GPU session: about 2 minutes on one H200
+#   bash scripts/gpu_session.sh OUT_DIR float8   # the float8 session (issue 31): about 3 minutes
 #
-# Phase 1 (jobs side by side, each under its own time limit; only correctness is read from them):
+# The single-GPU session. Phase 1 (jobs side by side, each under its own time limit; only correctness is read from them):
 #   gpu_check      scripts/gpu_check.py on the visible GPU (compile vs eager in bf16, memory, MFU, DCP, trace)
 #   debug          the README's default job on one GPU, with the profiler and the CUDA memory snapshot on
 #   deterministic  the debug job with [training] deterministic = true (cross-entropy on CUDA), eager and compiled
@@ -14,10 +15,14 @@
 # Phase 2 (alone on the GPU, one after the other): tokens/s and MFU of the 8B config's settings on 4 of its layers
 # (8B's dims, seq 8192, the debug tokenizer), compiled as shipped against eager.
 #
+# The float8 session. Phase 1: the 8B config's settings at debug scale, 200 steps, in bf16, float8 tensorwise and
+# float8 rowwise (the loss gap). Phase 2: tokens/s of the speed job compiled in bf16, tensorwise and rowwise.
+#
 # With one GPU no collective runs (NCCL refuses two ranks on one GPU): SimpleFSDP's gathers, bucketing, reordering
 # and async TP need 2+ GPUs. Each job's log lands in OUT_DIR/logs.tar.gz; a summary is printed and written.
 set -u
-OUT_DIR=${1:?usage: gpu_session.sh OUT_DIR}
+OUT_DIR=${1:?usage: gpu_session.sh OUT_DIR [single|float8]}
+SESSION=${2:-single}
 LOGS=$(mktemp -d)
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=4
@@ -42,6 +47,37 @@ job() {  # job NAME SECONDS COMMAND...: run in the background under a time limit
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$LOGS/gpu.txt"
 "${PYTHON:-python3}" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version())" | tee -a "$LOGS/gpu.txt"
 
+SPEED=(--config configs/llama3_8b.toml --model.n_layers=4 --model.tokenizer_path=assets/tokenizer/shakespeare_bpe_2k.json
+       --training.dataset=shakespeare --training.dataset_path=none --training.steps=14 --metrics.log_freq=1
+       --metrics.enable_tensorboard=false --lr_scheduler.warmup_steps=2)
+
+speed() {  # speed NAME SECONDS OPTIONS...: one timed job alone on the GPU
+  local name=$1 seconds=$2; shift 2
+  timeout -k 10 "$seconds" "${TRAIN[@]}" "${SPEED[@]}" --job.dump_folder="$LOGS/run_$name" "$@" "${SPEED_EXTRA[@]}" \
+      >"$LOGS/$name.log" 2>&1
+  echo "exit $?" >>"$LOGS/$name.log"
+}
+
+if [ "$SESSION" = float8 ]; then
+  echo "phase 1: $(date +%T)"
+  for recipe in bf16 tensorwise rowwise; do
+    FLOAT8=(); [ "$recipe" = bf16 ] || FLOAT8=(--model.converters=float8 --float8.recipe="$recipe")
+    job "curve_$recipe" 150 "${TRAIN[@]}" --config configs/llama3_8b.toml "${DEBUG[@]}" --training.steps=200 \
+        --lr_scheduler.warmup_steps=20 --metrics.log_freq=10 "${FLOAT8[@]}" --job.dump_folder="$LOGS/run_curve_$recipe" \
+        "${PHASE1_EXTRA[@]}"
+  done
+  wait
+  echo "phase 2: $(date +%T)"
+  speed speed_bf16 100
+  speed speed_float8_tensorwise 100 --model.converters=float8 --float8.recipe=tensorwise
+  speed speed_float8_rowwise 100 --model.converters=float8 --float8.recipe=rowwise
+  echo "done: $(date +%T)"
+  mkdir -p "$OUT_DIR"
+  "${PYTHON:-python3}" scripts/gpu_session_summary.py "$LOGS" | tee "$OUT_DIR/summary.txt"
+  tar -czf "$OUT_DIR/logs.tar.gz" --exclude=compile_cache --exclude=checkpoint -C "$LOGS" .
+  exit 0
+fi
+
 echo "phase 1: $(date +%T)"
 job gpu_check 200 "${PYTHON:-python3}" scripts/gpu_check.py --keep
 job debug 200 "${TRAIN[@]}" --config configs/llama3_debug.toml --training.steps=20 --metrics.log_freq=1 \
@@ -61,14 +97,8 @@ job sac2_regional 200 "${TRAIN[@]}" --config configs/llama3_8b.toml "${DEBUG[@]}
 wait
 
 echo "phase 2: $(date +%T)"
-SPEED=(--config configs/llama3_8b.toml --model.n_layers=4 --model.tokenizer_path=assets/tokenizer/shakespeare_bpe_2k.json
-       --training.dataset=shakespeare --training.dataset_path=none --training.steps=14 --metrics.log_freq=1
-       --metrics.enable_tensorboard=false --lr_scheduler.warmup_steps=2)
-timeout -k 10 130 "${TRAIN[@]}" "${SPEED[@]}" --job.dump_folder="$LOGS/run_speed_compiled" "${SPEED_EXTRA[@]}" >"$LOGS/speed_compiled.log" 2>&1
-echo "exit $?" >>"$LOGS/speed_compiled.log"
-timeout -k 10 60 "${TRAIN[@]}" "${SPEED[@]}" --compile.enable=false --job.dump_folder="$LOGS/run_speed_eager" "${SPEED_EXTRA[@]}" \
-    >"$LOGS/speed_eager.log" 2>&1
-echo "exit $?" >>"$LOGS/speed_eager.log"
+speed speed_compiled 130
+speed speed_eager 60 --compile.enable=false
 echo "done: $(date +%T)"
 
 mkdir -p "$OUT_DIR"

@@ -69,7 +69,12 @@ def main(folder: Path) -> None:
               f"(first 5 steps {max(diffs[:5]):.2e}); losses step 1 {eager[common[0]]['loss']:.4f} -> "
               f"{eager[common[-1]]['loss']:.4f} (eager), {compiled[common[-1]]['loss']:.4f} (compiled)")
     print()
-    for name in ("speed_compiled", "speed_eager"):
+    for name, curve in parsed.items():
+        if name.startswith("curve_") and len(curve) >= 10:
+            last = sorted(curve)[-10:]
+            print(f"{name}: mean loss of the last {len(last)} logged steps ({last[0]}-{last[-1]}) "
+                  f"{statistics.mean(curve[s]['loss'] for s in last):.4f}")
+    for name in sorted(n for n in parsed if n.startswith("speed_")):
         measured = [v for s, v in parsed.get(name, {}).items() if s > WARMUP]
         if not measured:
             print(f"{name}: no measured steps")
