@@ -8,6 +8,7 @@ is the amax of the whole (gathered) weight, the same on every layout.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
@@ -69,6 +70,24 @@ def test_the_plan_counts_the_debug_models_linears():
     assert plan.float8.targets.filtered == ("output",) and plan.float8.emulate
     assert "float8 tensorwise: 14 linears, 1 by filter_fqns kept in high precision" in "\n".join(plan.describe())
     assert resolve_plan(RECIPE.config(), 1, "cpu").float8 is None
+    on_gpu = dataclasses.replace(plan.float8, emulate=False)
+    assert on_gpu.describe().endswith("kept in high precision; mfu is against the bf16 peak")
+
+
+def test_a_float8_model_has_the_same_state_dict_as_a_bf16_one():
+    """Checkpoints stay in the parameters' dtype: a float8 run's checkpoint loads without float8 and the reverse
+    (the same names, shapes and dtypes; Float8Linear keeps nn.Linear's weight and adds no buffer)."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    def layout_state(*overrides: str) -> tuple[dict[str, tuple], int]:
+        model = build_layout(RECIPE.config(f"--training.local_batch_size={RECIPE.global_batch}", *overrides)
+                             ).parts.as_module()
+        float8_linears = sum(isinstance(m, Float8Linear) for m in model.modules())
+        return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}, float8_linears
+
+    (plain, none), (converted, swapped) = layout_state(), layout_state(*FLOAT8)
+    assert (none, swapped) == (0, 14)
+    assert converted == plain and len(plain) == 21
 
 
 def test_without_torchao_the_plan_says_how_to_install_it(monkeypatch):

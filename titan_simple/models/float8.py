@@ -72,7 +72,10 @@ class Float8Plan:
     emulate: bool  # CPU: float8 casts, fp32 matmuls (convert_to_float8)
 
     def describe(self) -> str:
-        return self.targets.describe(self.recipe) + (" (matmuls emulated on CPU)" if self.emulate else "")
+        """The plan line's float8 part. MFU keeps the bf16 peak as its denominator (it counts the model's FLOPs,
+        not which unit ran them), so a float8 run can read above what bf16 reaches: the line says so."""
+        where = " (matmuls emulated on CPU)" if self.emulate else "; mfu is against the bf16 peak"
+        return self.targets.describe(self.recipe) + where
 
 
 def plan_float8(converters: list[str], config: Float8, model_args: ModelArgs, device_type: str) -> Float8Plan | None:
