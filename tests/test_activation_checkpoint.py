@@ -39,10 +39,14 @@ class _Recording(SelectiveOpPolicy):
         return decision
 
 
-def _block_decisions(every_second_matmul: bool) -> tuple[list, TransformerBlock]:
+def _block_decisions(every_second_matmul: bool, float8: bool = False) -> tuple[list, TransformerBlock]:
     args = LLAMA3_FLAVORS["debugmodel"]
     torch.manual_seed(0)
     block = TransformerBlock(0, args)
+    if float8:  # tests/test_float8.py
+        from titan_simple.models.float8 import convert_to_float8
+
+        convert_to_float8(block, "tensorwise", [], emulate=True)
     apply_checkpoint(block, _Recording(every_second_matmul))
     freqs = precompute_freqs_cis(args.head_dim, 16, args.rope_theta)
     x = torch.randn(2, 16, args.dim, requires_grad=True)

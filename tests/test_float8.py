@@ -106,6 +106,20 @@ def test_a_gpu_without_float8_matmuls_is_refused(monkeypatch):
     assert float8_problem("cuda") is None
 
 
+def test_selective_op_ac_counts_each_float8_linear_as_one_matmul():
+    """SAC's dispatch mode sees a float8 linear as one ``aten.mm`` on torchao's float8 tensors (the mode runs before
+    the tensor subclass, whose handler then calls the float8 matmul unseen): the every-second-matmul decisions are
+    bf16's, and the casts to float8, like every other op, are recomputed, never saved. The GPU path differs only
+    inside that handler (``_scaled_mm`` instead of the emulation)."""
+    from tests.test_activation_checkpoint import SAVE, _block_decisions
+
+    plain, _ = _block_decisions(every_second_matmul=True)
+    with_float8, block = _block_decisions(every_second_matmul=True, float8=True)
+    assert [(op, decision) for op, _, decision in with_float8] == [(op, decision) for op, _, decision in plain]
+    assert sum(decision == SAVE for op, _, decision in with_float8 if op == "mm") == 8  # 4 of 7 per forward, twice
+    assert type(block.attention.wq).__name__ == "Float8Linear"
+
+
 @pytest.fixture(scope="module")
 def reference() -> dict:
     return train_reference(RECIPE, keep_grads=False)
