@@ -53,7 +53,7 @@ class Model:
     converters: list[str] = option(
         [], "Module swaps applied to the model on the meta device, before tensor parallel and SimpleFSDP: "
         "'float8' (torchao's float8 linears, configured in [float8]; needs the float8 extra and a GPU with float8 "
-        "matmuls, compute capability 8.9+, or a CPU, where torch emulates them: numerics only, no speed)."
+        "matmuls, compute capability 8.9+, or a CPU, where torchao emulates the matmuls: numerics only, no speed)."
     )
     tokenizer_path: str = option(
         "assets/tokenizer/shakespeare_bpe_2k.json",

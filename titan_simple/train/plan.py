@@ -223,7 +223,6 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     )
 
 
-
 def check_profiling(config: JobConfig, world_size: int, device_type: str) -> None:
     """A CPU memory timeline (``train/profiling.py``) needs a single process. torch 2.13 builds it from the
     profiler's allocation events, but gloo's worker threads free the tensors a collective holds (its inputs, the
