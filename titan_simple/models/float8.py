@@ -70,12 +70,30 @@ class Float8Plan:
     filter_fqns: tuple[str, ...]
     targets: Float8Targets
     emulate: bool  # CPU: float8 casts, fp32 matmuls (convert_to_float8)
+    all_gather: bool = False  # SimpleFSDP gathers the float8 weights in float8 (parallel/float8_gather.py)
+    all_gather_note: str = ""  # why the weights are gathered in the param dtype instead ("": no all-gathers)
 
     def describe(self) -> str:
         """The plan line's float8 part. MFU keeps the bf16 peak as its denominator (it counts the model's FLOPs,
         not which unit ran them), so a float8 run can read above what bf16 reaches: the line says so."""
         where = " (matmuls emulated on CPU)" if self.emulate else "; mfu is against the bf16 peak"
-        return self.targets.describe(self.recipe) + where
+        gather = ("; weights all-gathered in float8" if self.all_gather else
+                  f"; weights all-gathered in the param dtype ({self.all_gather_note})" if self.all_gather_note else "")
+        return self.targets.describe(self.recipe) + gather + where
+
+
+def plan_float8_all_gather(plan: Float8Plan | None, wanted: bool, dims, fsdp_implementation: str,
+                           gather_mode: str) -> Float8Plan | None:
+    """Whether SimpleFSDP gathers the float8 weights in float8, and if not, why (for the plan line)."""
+    if plan is None or not dims.dp_enabled or dims.data_parallel_mode == "replicate":
+        return plan  # no all-gathers to shrink
+    why = ("[float8] all_gather = false" if not wanted else
+           "rowwise scales each row, and its backward the columns: no one float8 copy to gather"
+           if plan.recipe != "tensorwise" else
+           "FSDP2" if fsdp_implementation != "simple" else
+           "not yet under tensor parallel" if dims.tp > 1 else
+           "gathering once per step" if gather_mode == "once_per_step" else "")
+    return dataclasses.replace(plan, all_gather=not why, all_gather_note=why)
 
 
 def plan_float8(converters: list[str], config: Float8, model_args: ModelArgs, device_type: str) -> Float8Plan | None:

@@ -50,6 +50,20 @@ _GATHER_DATA_OPS = {
 }
 
 
+# Float8 scaling (torchao's, and float8_gather's cast of a weight shard): |x| for the amax, x * scale, and the clamp
+# before the cast to float8. Elementwise, cheap to redo, and
+# no backward needs them (a float8 matmul saves its own high-precision inputs); cached, they would hold two fp32
+# copies of every float8 linear's input. The model itself uses neither.
+_FLOAT8_SCALING_OPS = {torch.ops.aten.abs.default, torch.ops.aten.clamp.default}
+
+
+def _is_float8_scaling(op, args) -> bool:
+    """torchao's tensorwise ``x * scale`` (a 0-dim scale) or one of ``_FLOAT8_SCALING_OPS``."""
+    if op in _FLOAT8_SCALING_OPS:
+        return True
+    return op is torch.ops.aten.mul.Tensor and any(isinstance(a, torch.Tensor) and a.dim() == 0 for a in args[:2])
+
+
 def is_view_op(op) -> bool:
     """Ops whose output aliases an input (``view``, ``t``, ``slice``, ``split``, ...). Saving one keeps its
     whole base alive and recomputing it is free, so they are never worth saving."""
@@ -62,13 +76,14 @@ def is_view_op(op) -> bool:
 def reshard_policy(data_parallel_group_names: Iterable[str]) -> Policy:
     """Recompute in backward exactly what produces an unsharded parameter: the all-gathers over the
     data-parallel groups, the cast and padding before them, the unpadding/concatenation after them, and
-    views. All-gathers over other groups (tensor-parallel activations) are left to the next policy."""
+    views; and float8 scaling's elementwise copies (``_is_float8_scaling``). All-gathers over other groups
+    (tensor-parallel activations) are left to the next policy."""
     groups = frozenset(data_parallel_group_names)
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy | None:
         if op is _c10d.all_gather_into_tensor.default:
             return CheckpointPolicy.MUST_RECOMPUTE if args[2] in groups else None
-        if op in _GATHER_DATA_OPS or is_view_op(op):
+        if op in _GATHER_DATA_OPS or is_view_op(op) or _is_float8_scaling(op, args):
             return CheckpointPolicy.MUST_RECOMPUTE
         return None
 

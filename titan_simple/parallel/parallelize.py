@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titan_simple.parallel.activation_checkpoint import apply_activation_checkpointing
 from titan_simple.parallel.compile import CompilePlan
 from titan_simple.parallel.dims import ParallelDims, dp_mesh, tensor_parallel_mesh
+from titan_simple.parallel.float8_gather import enable_float8_all_gather
 from titan_simple.parallel.fsdp2 import apply_fsdp2
 from titan_simple.parallel.simple_fsdp import MixedPrecisionPolicy, data_parallel
 from titan_simple.parallel.tensor_parallel import apply_tensor_parallel, keep_gradient_layouts
@@ -40,6 +41,7 @@ class ParallelPlan:
     reduce_dtype: torch.dtype  # what gradients are reduced in
     reshard_after_forward: bool
     compile: CompilePlan
+    float8_all_gather: bool = False  # SimpleFSDP gathers tensorwise float8 weights in float8
 
 
 def parallelize_llama(model: nn.Module, mesh: DeviceMesh | None, plan: ParallelPlan) -> nn.Module:
@@ -71,6 +73,8 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh | None, plan: ParallelP
                 mp_policy=MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype),
                 reshard_after_forward=plan.reshard_after_forward,
             )
+            if plan.float8_all_gather:
+                enable_float8_all_gather(model)
         else:
             apply_fsdp2(model, dp_mesh(mesh, dims), mode=dims.data_parallel_mode, param_dtype=plan.param_dtype,
                         reduce_dtype=plan.reduce_dtype, reshard_after_forward=plan.reshard_after_forward)

@@ -71,16 +71,21 @@ class _GatherSpec:
     dp_mesh: DeviceMesh
     tp_mesh: DeviceMesh | None = None
     tp_placements: tuple[Placement, ...] = ()
+    float8: object | None = None  # a float8_gather.Float8Gather: a tensorwise float8 weight gathered in float8
 
 
-def _gather(param: DTensor, spec: _GatherSpec) -> torch.Tensor:
+def _gather(module: nn.Module, name: str) -> torch.Tensor:
     """The unsharded parameter for compute; its backward reduces the gradient over the dp dims."""
-    return _for_compute(_unshard(param, spec), param, spec)
+    param, spec = module._parameters[name], module._gather_specs[name]
+    return _for_compute(_unshard(module, name), param, spec)
 
 
-def _unshard(param: DTensor, spec: _GatherSpec) -> torch.Tensor:
+def _unshard(module: nn.Module, name: str) -> torch.Tensor:
     """The parameter all-gathered over the dp dims, as a local tensor (this rank's TP shard under tensor
     parallel); its backward reduces the gradient over the dp dims."""
+    param, spec = module._parameters[name], module._gather_specs[name]
+    if spec.float8 is not None:  # cast to float8 with this step's scale, then gathered (float8_gather.py)
+        return spec.float8.unshard(param, module.float8_weight_scale)
     dp = spec.dp_dims
     unsharded = param.redistribute(
         placements=(Replicate(),) * dp + spec.tp_placements,
@@ -101,7 +106,7 @@ def gather_unsharded(module: nn.Module) -> dict[str, torch.Tensor]:
     """``module``'s parameters all-gathered now, in the form ``module._held_unsharded`` takes (dp-unsharded local
     tensors in ``param_dtype`` whose backward reduces the gradient): for a caller that gathers them ahead of the
     forward that uses them (regional compilation's hand-off, ``regions.py``)."""
-    return {name: _unshard(module._parameters[name], spec) for name, spec in module._gather_specs.items()}
+    return {name: _unshard(module, name) for name in module._gather_specs}
 
 
 def _for_compute(local: torch.Tensor, param: DTensor, spec: _GatherSpec) -> torch.Tensor:
@@ -142,7 +147,7 @@ def _gathered_property(name: str) -> property:
         if self._held_unsharded is not None:  # gathered ahead: once per step (step_gather.py), or by the
             # region before (regional compilation's hand-off, regions.py)
             return _for_compute(self._held_unsharded[name], param, self._gather_specs[name])
-        return _gather(param, self._gather_specs[name])
+        return _gather(self, name)
 
     return property(get, doc=f"``{name}``, all-gathered for compute (see simple_fsdp).")
 

@@ -31,7 +31,7 @@ import torch
 from titan_simple.config import JobConfig
 from titan_simple.data.datasets import data_cache_folder
 from titan_simple.errors import ConfigError
-from titan_simple.models.float8 import Float8Plan, plan_float8
+from titan_simple.models.float8 import Float8Plan, plan_float8, plan_float8_all_gather
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, ModelArgs, build_model
 from titan_simple.parallel.compile import CompilePlan
 from titan_simple.parallel.dims import ParallelDims, validate_parallelism
@@ -183,6 +183,8 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     training = config.training
     accumulation = accumulation_steps(training.global_batch_size, training.local_batch_size, dims.dp)
     gather = choose_gather_mode(config, dims, reasons)
+    float8 = plan_float8_all_gather(float8, config.float8.all_gather, dims, config.parallelism.fsdp_implementation,
+                                    gather)
     precision = choose_precision(config, dims, device_type, reasons)
     compile_mode = choose_compile_mode(config, dims, reasons)
     compile_config = config.compile
@@ -207,6 +209,7 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
         fsdp_implementation=config.parallelism.fsdp_implementation, param_dtype=precision.param_dtype,
         reduce_dtype=precision.reduce_dtype,
         reshard_after_forward=choose_reshard_after_forward(config, dims, gather, reasons), compile=compile_plan,
+        float8_all_gather=float8 is not None and float8.all_gather,
     )
     loss = LossPlan(parallel=loss_parallel, compiled_with_model=compile_mode == "whole_with_loss",
                     chunks=choose_loss_chunks(config, compile_mode, reasons))

@@ -1,0 +1,189 @@
+"""SimpleFSDP gathering tensorwise float8 weights in float8: half the all-gather bytes of bf16.
+
+A tensorwise float8 linear (torchao's ``Float8Linear``) casts its whole weight to float8 e4m3 with one scale,
+``448 / amax(|W|)``, right before its matmul. Gathered in bf16 and then cast, the all-gather moves 2 bytes per
+element; cast first and gathered in float8, 1. Casting a shard needs the amax of the *whole* weight, which no rank
+holds, so once per step, before the first forward (``refresh_float8_scales``):
+
+    one all-reduce(max) of a vector holding every float8 weight's local amax -> each weight's scale
+
+and each SimpleFSDP gather of such a weight (``Float8Gather.unshard``, in place of ``simple_fsdp._unshard``):
+
+1. casts the local shard, ``(shard * scale).clamp(+-448) -> float8`` (``_cast_shard``): the reshard policy
+   recomputes it in backward, so no cast copy is saved;
+2. all-gathers the bits as uint8 (gloo has no float8 type; NCCL moves the same bytes either way);
+3. hands the linear torchao's ``Float8TrainingTensor`` (the bits and the scale), which it multiplies as it is.
+
+The backward is SimpleFSDP's: the high-precision weight gradient reduce-scattered (all-reduced over
+``dp_replicate`` for hybrid_shard) in ``reduce_dtype``. The gradient cannot flow through the float8 bits (autograd
+would cast it to float8), so a data-less stand-in of the weight carries it (``_ReduceGradient``).
+
+The numbers are those of gathering in bf16: the amax is exact (max of rounded values = rounded max), and the scale
+and the elementwise cast are torchao's own functions applied to the same values. So losses are bitwise equal in
+eager, ``tests/test_float8_gather.py``. Not used under tensor parallel or when gathering once per step
+(``plan_float8_all_gather`` says why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+FLOAT8 = torch.float8_e4m3fn
+SCALE_BUFFER = "float8_weight_scale"  # each float8-gathered linear's scale, set by refresh_float8_scales
+
+
+def _cast_shard(shard: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``shard`` in ``dtype`` (the gathered weight's dtype), scaled and saturated to float8 exactly as torchao casts a
+    whole weight, as uint8 bits. Plain elementwise ops: Inductor fuses them into one pass over the shard, and the
+    reshard policy recomputes each of them in backward (``activation_checkpoint._is_float8_scaling``)."""
+    from torchao.float8.float8_utils import to_fp8_saturated  # noqa: PLC0415 -- an optional dependency
+
+    return to_fp8_saturated(shard.to(dtype).to(torch.float32) * scale, FLOAT8).view(torch.uint8)
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return t if t.shape[0] == rows else torch.cat([t, t.new_zeros((rows - t.shape[0], *t.shape[1:]))])
+
+
+class _ReduceGradient(torch.autograd.Function):
+    """Stands for the unsharded weight in autograd: forward returns a stand-in of its shape that holds no data
+    (one element, expanded); backward reduces the high-precision weight gradient as SimpleFSDP's redistribute
+    does (reduce-scatter over the shard group, then all-reduce over the replica groups, in ``reduce_dtype``)."""
+
+    @staticmethod
+    def forward(ctx, shard, shape, dtype, shard_group, rows, coordinate, replicate_groups, reduce_dtype):
+        ctx.layout = (shard_group, rows, coordinate, replicate_groups, reduce_dtype, shard.dtype)
+        return shard.new_zeros((), dtype=dtype).expand(shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shard_group, rows, coordinate, replicate_groups, reduce_dtype, shard_dtype = ctx.layout
+        grad = grad.to(reduce_dtype)
+        if shard_group is not None:
+            width = max(rows)
+            if min(rows) != width:  # uneven shards: pad each rank's rows to the widest
+                grad = torch.cat([_pad_rows(block, width) for block in grad.split(list(rows))])
+            grad = funcol.wait_tensor(funcol.reduce_scatter_tensor(grad, "sum", 0, shard_group))
+            grad = grad[: rows[coordinate]]
+        for group in replicate_groups:
+            grad = funcol.wait_tensor(funcol.all_reduce(grad, "sum", group))
+        return grad.to(shard_dtype), None, None, None, None, None, None, None
+
+
+class _AsFloat8(torch.autograd.Function):
+    """The gathered float8 bits as the torchao ``Float8TrainingTensor`` a float8 linear multiplies as it is; its
+    (high-precision) gradient passes to ``stand_in`` unchanged, as torchao's own cast passes it."""
+
+    @staticmethod
+    def forward(ctx, stand_in, bits, scale, mm_config):
+        from torchao.float8.float8_training_tensor import Float8TrainingTensor, GemmInputRole  # noqa: PLC0415
+
+        return Float8TrainingTensor(bits.view(FLOAT8), scale, stand_in.dtype, mm_config, GemmInputRole.WEIGHT)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None, None
+
+
+@dataclass(frozen=True)
+class Float8Gather:
+    """How one float8 linear's weight is gathered in float8: the dp group it is sharded over, the rows each rank
+    holds there, and the replica groups its gradient is also summed over (hybrid_shard)."""
+
+    shard_group: str | None
+    rows: tuple[int, ...]
+    coordinate: int
+    replicate_groups: tuple[str, ...]
+    dtype: torch.dtype  # the gathered weight's dtype (param_dtype): what the cast starts from
+    reduce_dtype: torch.dtype
+    mm_config: object  # the linear's torchao LinearMMConfig
+
+    def unshard(self, param: DTensor, scale: torch.Tensor) -> torch.Tensor:
+        shard = param.to_local()
+        with torch.no_grad():  # the bits carry no gradient: _ReduceGradient's stand-in does
+            bits = _cast_shard(shard, scale, self.dtype)
+            if self.shard_group is not None:
+                width = max(self.rows)
+                bits = funcol.wait_tensor(funcol.all_gather_tensor(_pad_rows(bits, width), 0, self.shard_group))
+                if min(self.rows) != width:  # uneven shards (torch.chunk's split): drop each rank's padding
+                    bits = torch.cat([block[:n] for block, n in zip(bits.split(width), self.rows, strict=True)])
+        shape = (sum(self.rows), *shard.shape[1:])
+        stand_in = _ReduceGradient.apply(shard, shape, self.dtype, self.shard_group, self.rows, self.coordinate,
+                                         self.replicate_groups, self.reduce_dtype)
+        return _AsFloat8.apply(stand_in, bits, scale, self.mm_config)
+
+
+def _float8_gather(module: nn.Module, param: DTensor, spec) -> Float8Gather:
+    mesh, shard_group, rows, coordinate, replicas = spec.dp_mesh, None, (param.shape[0],), 0, []
+    for dim, placement in enumerate(param.placements[: spec.dp_dims]):
+        group = mesh.get_group(dim).group_name
+        if placement.is_shard():
+            if placement.dim != 0:
+                raise ValueError(f"float8 all-gather: expects dim-0 shards, got {param.placements}")
+            n, step = mesh.size(dim), -(-param.shape[0] // mesh.size(dim))
+            rows = tuple(max(0, min(step, param.shape[0] - r * step)) for r in range(n))
+            shard_group, coordinate = group, mesh.get_local_rank(dim)
+        else:
+            replicas.append(group)
+    return Float8Gather(shard_group, rows, coordinate, tuple(replicas), spec.mp_policy.param_dtype or param.dtype,
+                        spec.mp_policy.reduce_dtype or param.dtype, module.linear_mm_config)
+
+
+def enable_float8_all_gather(model: nn.Module) -> int:
+    """Gather every tensorwise float8 linear's weight in float8 (after ``data_parallel``; on the meta model too).
+    Each gets a ``float8_weight_scale`` buffer (not saved in checkpoints). Returns how many linears."""
+    from torchao.float8.config import ScalingGranularity  # noqa: PLC0415 -- an optional dependency
+    from torchao.float8.float8_linear import Float8Linear  # noqa: PLC0415
+
+    count = 0
+    for module in model.modules():
+        specs = getattr(module, "_gather_specs", {})
+        if not isinstance(module, Float8Linear) or "weight" not in specs:
+            continue
+        if module.config.cast_config_weight.scaling_granularity is not ScalingGranularity.TENSORWISE:
+            raise ValueError("float8 all-gather needs tensorwise scaling (rowwise's backward scales the other axis)")
+        if specs["weight"].tp_mesh is not None:
+            raise ValueError("float8 all-gather: not under tensor parallel (the weight is a TP DTensor)")
+        param = module._parameters["weight"]
+        specs["weight"] = dataclasses.replace(specs["weight"], float8=_float8_gather(module, param, specs["weight"]))
+        device = param.device
+        module.register_buffer(SCALE_BUFFER, torch.full((), math.nan, device=device), persistent=False)
+        count += 1
+    return count
+
+
+def float8_gathered_modules(parts: Iterable[nn.Module]) -> list[nn.Module]:
+    return [m for part in parts for m in part.modules() if SCALE_BUFFER in m._buffers]
+
+
+@torch.no_grad()
+def refresh_float8_scales(parts: Iterable[nn.Module]) -> None:
+    """Set every float8-gathered weight's scale from its current values: one all-reduce(max) per shard group (one per
+    step for any SimpleFSDP layout; a collective: every rank of the group calls it). Call it whenever the weights
+    changed (after the optimizer step or a checkpoint load) and before the forward: the trainer does it at the start
+    of each step and of each validation."""
+    from torchao.float8.float8_utils import amax_to_scale  # noqa: PLC0415 -- an optional dependency
+
+    by_group: dict[str | None, list[nn.Module]] = {}
+    for module in float8_gathered_modules(parts):
+        by_group.setdefault(module._gather_specs["weight"].float8.shard_group, []).append(module)
+    for group, modules in by_group.items():
+        shards = [m._parameters["weight"].to_local() for m in modules]
+        dtypes = [m._gather_specs["weight"].float8.dtype for m in modules]
+        # The amax of the weight as the linear would see it (in its gathered dtype); rounding is monotonic, so
+        # that is the high-precision amax rounded once. An empty shard (uneven split) contributes 0.
+        amax = torch.stack([torch.linalg.vector_norm(s, math.inf).to(d).float() if s.numel() else
+                            s.new_zeros((), dtype=torch.float32) for s, d in zip(shards, dtypes, strict=True)])
+        if group is not None:
+            amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", group))
+        scales = amax_to_scale(amax, FLOAT8, modules[0].config.round_scales_to_power_of_2)
+        for module, scale in zip(modules, scales, strict=True):
+            module._buffers[SCALE_BUFFER].copy_(scale)
