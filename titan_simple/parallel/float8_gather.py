@@ -56,7 +56,8 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 class _ReduceGradient(torch.autograd.Function):
     """Stands for the unsharded weight in autograd: forward returns a stand-in of its shape that holds no data
     (one element, expanded); backward reduces the high-precision weight gradient as SimpleFSDP's redistribute
-    does (reduce-scatter over the shard group, then all-reduce over the replica groups, in ``reduce_dtype``)."""
+    does, in ``reduce_dtype`` and in DTensor's order: all-reduce over the replica groups (hybrid_shard), then
+    reduce-scatter over the shard group. The same sums in the same order: bitwise the same gradients."""
 
     @staticmethod
     def forward(ctx, shard, shape, dtype, shard_group, rows, coordinate, replicate_groups, reduce_dtype):
@@ -67,14 +68,17 @@ class _ReduceGradient(torch.autograd.Function):
     def backward(ctx, grad):
         shard_group, rows, coordinate, replicate_groups, reduce_dtype, shard_dtype = ctx.layout
         grad = grad.to(reduce_dtype)
+        for group in replicate_groups:  # first, as DTensor's redistribute orders hybrid_shard's reductions
+            grad = funcol.all_reduce(grad, "sum", group)
         if shard_group is not None:
             width = max(rows)
             if min(rows) != width:  # uneven shards: pad each rank's rows to the widest
                 grad = torch.cat([_pad_rows(block, width) for block in grad.split(list(rows))])
-            grad = funcol.wait_tensor(funcol.reduce_scatter_tensor(grad, "sum", 0, shard_group))
-            grad = grad[: rows[coordinate]]
-        for group in replicate_groups:
-            grad = funcol.wait_tensor(funcol.all_reduce(grad, "sum", group))
+            # No explicit waits: the collective's tensor waits where it is first read (the optimizer's, unless a
+            # pass moves it), as DTensor's reductions do; Inductor's bucketing expects that order.
+            grad = funcol.reduce_scatter_tensor(grad, "sum", 0, shard_group)
+            if min(rows) != width:
+                grad = grad[: rows[coordinate]]
         return grad.to(shard_dtype), None, None, None, None, None, None, None
 
 
@@ -107,6 +111,14 @@ class Float8Gather:
     mm_config: object  # the linear's torchao LinearMMConfig
 
     def unshard(self, param: DTensor, scale: torch.Tensor) -> torch.Tensor:
+        """The gathered weight as the ``Float8TrainingTensor`` the linear multiplies; its backward reduces the
+        gradient into ``param``'s shard."""
+        return self.assemble(*self.gather(param, scale), scale)
+
+    def gather(self, param: DTensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The two plain tensors the weight is made of: the gradient's stand-in and the gathered float8 bits (what a
+        compiled region hands the next one: a tensor subclass crossing a graph boundary would make AOTAutograd
+        expect a float8 gradient)."""
         shard = param.to_local()
         with torch.no_grad():  # the bits carry no gradient: _ReduceGradient's stand-in does
             bits = _cast_shard(shard, scale, self.dtype)
@@ -118,6 +130,9 @@ class Float8Gather:
         shape = (sum(self.rows), *shard.shape[1:])
         stand_in = _ReduceGradient.apply(shard, shape, self.dtype, self.shard_group, self.rows, self.coordinate,
                                          self.replicate_groups, self.reduce_dtype)
+        return stand_in, bits
+
+    def assemble(self, stand_in: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return _AsFloat8.apply(stand_in, bits, scale, self.mm_config)
 
 

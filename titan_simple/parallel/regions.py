@@ -59,7 +59,9 @@ class HandoffGather(nn.Module):
         self.receivers = nn.ModuleList(receivers)
 
     def forward(self) -> Handed:
-        return tuple(t for module in self.receivers for t in gather_unsharded(module).values())
+        # flat: a float8-gathered weight is two tensors (its gradient's stand-in and its float8 bits)
+        return tuple(t for module in self.receivers for held in gather_unsharded(module).values()
+                     for t in (held if isinstance(held, tuple) else (held,)))
 
 
 class EmbeddingRegion(nn.Module):
@@ -162,7 +164,8 @@ def _holding(modules: Sequence[nn.Module], tensors: Sequence[torch.Tensor]) -> I
     values = iter(tensors)
     for module in modules:
         assert module._held_unsharded is None, "a module is held twice (regional hand-off and step_gather?)"
-        module._held_unsharded = {name: next(values) for name in module._gather_specs}
+        module._held_unsharded = {name: (next(values), next(values)) if spec.float8 is not None else next(values)
+                                  for name, spec in module._gather_specs.items()}
     assert next(values, None) is None, "the hand-off gathered more weights than the next region reads"
     try:
         yield

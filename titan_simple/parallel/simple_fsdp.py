@@ -102,11 +102,18 @@ def data_parallel_group_names(model: nn.Module) -> set[str]:
             for spec in getattr(module, "_gather_specs", {}).values() for dim in range(spec.dp_mesh.ndim)}
 
 
-def gather_unsharded(module: nn.Module) -> dict[str, torch.Tensor]:
+def gather_unsharded(module: nn.Module) -> dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
     """``module``'s parameters all-gathered now, in the form ``module._held_unsharded`` takes (dp-unsharded local
-    tensors in ``param_dtype`` whose backward reduces the gradient): for a caller that gathers them ahead of the
-    forward that uses them (regional compilation's hand-off, ``regions.py``)."""
-    return {name: _unshard(module, name) for name in module._gather_specs}
+    tensors in ``param_dtype`` whose backward reduces the gradient; a float8-gathered weight as its two plain
+    tensors, ``Float8Gather.gather``): for a caller that gathers them ahead of the forward that uses them (regional
+    compilation's hand-off, ``regions.py``)."""
+    def gathered(name: str):
+        spec = module._gather_specs[name]
+        if spec.float8 is not None:
+            return spec.float8.gather(module._parameters[name], module.float8_weight_scale)
+        return _unshard(module, name)
+
+    return {name: gathered(name) for name in module._gather_specs}
 
 
 def _for_compute(local: torch.Tensor, param: DTensor, spec: _GatherSpec) -> torch.Tensor:
@@ -146,7 +153,10 @@ def _gathered_property(name: str) -> property:
             return param
         if self._held_unsharded is not None:  # gathered ahead: once per step (step_gather.py), or by the
             # region before (regional compilation's hand-off, regions.py)
-            return _for_compute(self._held_unsharded[name], param, self._gather_specs[name])
+            held, spec = self._held_unsharded[name], self._gather_specs[name]
+            if isinstance(held, tuple):  # a float8 weight handed over as its plain parts (float8_gather.py)
+                held = spec.float8.assemble(*held, self.float8_weight_scale)
+            return _for_compute(held, param, spec)
         return _gather(self, name)
 
     return property(get, doc=f"``{name}``, all-gathered for compute (see simple_fsdp).")
