@@ -154,9 +154,15 @@ def test_float8_gather_compiled_matches_gathering_in_the_param_dtype(ranks):
 
 def _layouts(rank: int, world_size: int, extra: tuple[str, ...]) -> dict:
     recipe = dataclasses.replace(RECIPE, global_batch=12)
-    return {gather: train_steps(build_layout(recipe.config(
-        f"--training.local_batch_size={recipe.global_batch // world_size}", f"--float8.all_gather={gather}", *extra),
-        world_size), recipe) for gather in (True, False)}
+    out = {}
+    for gather in (True, False):
+        layout = build_layout(recipe.config(f"--training.local_batch_size={recipe.global_batch // world_size}",
+                                            f"--float8.all_gather={gather}", *extra), world_size)
+        counter = _Collectives()
+        with counter:
+            out[gather] = train_steps(layout, recipe)
+        out[gather]["uint8_gathers"] = counter.seen[("all_gather", "uint8", "")]
+    return out
 
 
 @pytest.mark.slow
@@ -164,13 +170,15 @@ def _layouts(rank: int, world_size: int, extra: tuple[str, ...]) -> dict:
     (3, ("--parallelism.data_parallel_shard_degree=3",)),  # uneven: 256 rows over 3 ranks is 86, 86, 84
     (4, ("--parallelism.data_parallel_shard_degree=2", "--parallelism.data_parallel_replicate_degree=2")),
     (4, ("--parallelism.data_parallel_shard_degree=2", "--parallelism.pipeline_parallel_degree=2",
-         "--parallelism.fsdp_gather=per_microbatch", "--parallelism.pipeline_parallel_microbatch_size=1")),
-], ids=["fully_shard_uneven", "hybrid_shard", "pp2_dp2"])
+         "--parallelism.pipeline_parallel_microbatch_size=1")),  # gathering once per step: byte buckets
+], ids=["fully_shard_uneven", "hybrid_shard", "pp2_dp2_once_per_step"])
 def test_float8_gather_is_bitwise_on_other_layouts(world, layout):
     """Uneven shards (padded on the wire), hybrid_shard (the gradient all-reduced over replicas first, in DTensor's
-    order) and pipeline stages: gathering in float8 changes no bit there either."""
+    order) and pipeline stages gathering once per step (``step_gather.py``'s float8 buckets): gathering in float8
+    changes no bit there either."""
     for result in run_on_ranks(_layouts, world, args=(layout,)):
-        assert result[True] == result[False], result
+        assert result[True]["uint8_gathers"] > 0 and result[False]["uint8_gathers"] == 0
+        assert result[True]["losses"] == result[False]["losses"] and result[True]["norms"] == result[False]["norms"]
 
 
 @pytest.mark.slow

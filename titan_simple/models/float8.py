@@ -82,8 +82,7 @@ class Float8Plan:
         return self.targets.describe(self.recipe) + gather + where
 
 
-def plan_float8_all_gather(plan: Float8Plan | None, wanted: bool, dims, fsdp_implementation: str,
-                           gather_mode: str) -> Float8Plan | None:
+def plan_float8_all_gather(plan: Float8Plan | None, wanted: bool, dims, fsdp_implementation: str) -> Float8Plan | None:
     """Whether SimpleFSDP gathers the float8 weights in float8, and if not, why (for the plan line)."""
     if plan is None or not dims.dp_enabled or dims.data_parallel_mode == "replicate":
         return plan  # no all-gathers to shrink
@@ -92,7 +91,7 @@ def plan_float8_all_gather(plan: Float8Plan | None, wanted: bool, dims, fsdp_imp
            if plan.recipe != "tensorwise" else
            "FSDP2" if fsdp_implementation != "simple" else
            "not yet under tensor parallel" if dims.tp > 1 else
-           "gathering once per step" if gather_mode == "once_per_step" else "")
+           "")
     return dataclasses.replace(plan, all_gather=not why, all_gather_note=why)
 
 

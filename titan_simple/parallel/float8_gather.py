@@ -9,7 +9,7 @@ holds, so once per step, before the first forward (``refresh_float8_scales``):
 
 and each SimpleFSDP gather of such a weight (``Float8Gather.unshard``, in place of ``simple_fsdp._unshard``):
 
-1. casts the local shard, ``(shard * scale).clamp(+-448) -> float8`` (``_cast_shard``): the reshard policy
+1. casts the local shard, ``(shard * scale).clamp(+-448) -> float8`` (``cast_shard``): the reshard policy
    recomputes it in backward, so no cast copy is saved;
 2. all-gathers the bits as uint8 (gloo has no float8 type; NCCL moves the same bytes either way);
 3. hands the linear torchao's ``Float8TrainingTensor`` (the bits and the scale), which it multiplies as it is.
@@ -20,8 +20,8 @@ would cast it to float8), so a data-less stand-in of the weight carries it (``_R
 
 The numbers are those of gathering in bf16: the amax is exact (max of rounded values = rounded max), and the scale
 and the elementwise cast are torchao's own functions applied to the same values. So losses are bitwise equal in
-eager, ``tests/test_float8_gather.py``. Not used under tensor parallel or when gathering once per step
-(``plan_float8_all_gather`` says why).
+eager, ``tests/test_float8_gather.py``. Gathering once per step (``step_gather.py``) gathers the same bits in
+byte buckets of their own. Not used under tensor parallel (``plan_float8_all_gather`` says why).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ FLOAT8 = torch.float8_e4m3fn
 SCALE_BUFFER = "float8_weight_scale"  # each float8-gathered linear's scale, set by refresh_float8_scales
 
 
-def _cast_shard(shard: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def cast_shard(shard: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``shard`` in ``dtype`` (the gathered weight's dtype), scaled and saturated to float8 exactly as torchao casts a
     whole weight, as uint8 bits. Plain elementwise ops: Inductor fuses them into one pass over the shard, and the
     reshard policy recomputes each of them in backward (``activation_checkpoint._is_float8_scaling``)."""
@@ -121,7 +121,7 @@ class Float8Gather:
         expect a float8 gradient)."""
         shard = param.to_local()
         with torch.no_grad():  # the bits carry no gradient: _ReduceGradient's stand-in does
-            bits = _cast_shard(shard, scale, self.dtype)
+            bits = cast_shard(shard, scale, self.dtype)
             if self.shard_group is not None:
                 width = max(self.rows)
                 bits = funcol.wait_tensor(funcol.all_gather_tensor(_pad_rows(bits, width), 0, self.shard_group))

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
+from titan_simple.parallel.float8_gather import cast_shard
 from titan_simple.parallel.simple_fsdp import _GatherSpec, default_reshard_modules
 from titan_simple.parallel.torch_private import StridedShard
 
@@ -82,6 +83,14 @@ def _dp_layout(param: DTensor, spec: _GatherSpec) -> tuple[int | None, int, int]
     if len(dims) != 1 or param.placements[dims[0]].dim != 0:
         raise ValueError(f"step_gather: expects dim-0 sharding over one dp mesh dim, got {param.placements}")
     return dims[0], spec.dp_mesh.size(dims[0]), spec.dp_mesh.get_local_rank(dims[0])
+
+
+def _to_gather(entry: _Entry) -> torch.Tensor:
+    """What a parameter's shard is gathered as: float8 bits cast with this step's scale (a float8-gathered weight,
+    ``float8_gather.py``), or the shard in ``param_dtype``."""
+    if entry.spec.float8 is not None:
+        return cast_shard(entry.param.to_local(), entry.module.float8_weight_scale, entry.spec.float8.dtype)
+    return entry.param.to_local().to(entry.spec.mp_policy.param_dtype or entry.param.dtype)
 
 
 def _chunk_rows(size: int, n: int) -> list[int]:
@@ -153,16 +162,17 @@ class StepGather:
                     entry.width = -1
                 seen.add(id(param))
                 entries.append(entry)
-        if not entries:
-            return
-        offset = 0
-        for entry in entries:
-            if entry.width == -1:
-                continue
-            entry.width, entry.offset = max(entry.rows) * entry.row_numel, offset
-            offset += entry.width
-        self.buckets.append(_Bucket(entries))
-        self._groups.append(group)
+        # Dtype-aware: float8-gathered weights (float8_gather.py) travel as bytes, in a bucket of their own.
+        for part in ([e for e in entries if e.spec.float8 is None], [e for e in entries if e.spec.float8 is not None]):
+            if part:
+                offset = 0
+                for entry in part:
+                    if entry.width == -1:
+                        continue
+                    entry.width, entry.offset = max(entry.rows) * entry.row_numel, offset
+                    offset += entry.width
+                self.buckets.append(_Bucket(part))
+                self._groups.append(group)
 
     @property
     def holding(self) -> bool:
@@ -184,8 +194,7 @@ class StepGather:
         self._expected = microbatches
         for index, (bucket, (mesh, shard_dim, n, _)) in enumerate(zip(self.buckets, self._groups, strict=True)):
             owners = [e for e in bucket.entries if e.width != -1]
-            dtype = owners[0].spec.mp_policy.param_dtype or owners[0].param.dtype
-            locals_ = [e.param.to_local().to(dtype) for e in owners]
+            locals_ = [_to_gather(e) for e in owners]
             if shard_dim is None:  # replicate: the local tensor is the whole weight
                 pending = locals_
             else:
@@ -317,7 +326,8 @@ class StepGather:
                 e.param.grad.add_(grad)
 
     def _leaf(self, entry: _Entry) -> torch.Tensor:
-        return entry.module._held_unsharded[entry.name]
+        held = entry.module._held_unsharded[entry.name]
+        return held[0] if isinstance(held, tuple) else held  # a float8 weight's gradient lands on its stand-in
 
     def _used(self, entry: _Entry) -> bool:
         leaf = self._leaf(entry)
@@ -378,8 +388,13 @@ class _HeldBucket:
         self._pending = None
         leaves = {}
         for e, full in zip(self.owners, fulls, strict=True):
-            leaf = full.detach().requires_grad_(e.param.requires_grad)
-            leaves[id(e.param)] = leaf
+            if e.spec.float8 is not None:  # float8 bits, and a data-less stand-in the gradients accumulate on
+                leaf = full.new_zeros((), dtype=e.spec.float8.dtype).expand(e.shape)
+                leaf.requires_grad_(e.param.requires_grad)
+                leaves[id(e.param)] = (leaf, full)
+            else:
+                leaf = full.detach().requires_grad_(e.param.requires_grad)
+                leaves[id(e.param)] = leaf
             self.gather._leaf_ready(self, leaf, e.spec.mp_policy.reduce_dtype or e.param.dtype)
         return leaves
 

@@ -183,8 +183,7 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     training = config.training
     accumulation = accumulation_steps(training.global_batch_size, training.local_batch_size, dims.dp)
     gather = choose_gather_mode(config, dims, reasons)
-    float8 = plan_float8_all_gather(float8, config.float8.all_gather, dims, config.parallelism.fsdp_implementation,
-                                    gather)
+    float8 = plan_float8_all_gather(float8, config.float8.all_gather, dims, config.parallelism.fsdp_implementation)
     precision = choose_precision(config, dims, device_type, reasons)
     compile_mode = choose_compile_mode(config, dims, reasons)
     compile_config = config.compile
