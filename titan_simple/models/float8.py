@@ -90,7 +90,6 @@ def plan_float8_all_gather(plan: Float8Plan | None, wanted: bool, dims, fsdp_imp
            "rowwise scales each row, and its backward the columns: no one float8 copy to gather"
            if plan.recipe != "tensorwise" else
            "FSDP2" if fsdp_implementation != "simple" else
-           "not yet under tensor parallel" if dims.tp > 1 else
            "")
     return dataclasses.replace(plan, all_gather=not why, all_gather_note=why)
 

@@ -21,7 +21,8 @@ would cast it to float8), so a data-less stand-in of the weight carries it (``_R
 The numbers are those of gathering in bf16: the amax is exact (max of rounded values = rounded max), and the scale
 and the elementwise cast are torchao's own functions applied to the same values. So losses are bitwise equal in
 eager, ``tests/test_float8_gather.py``. Gathering once per step (``step_gather.py``) gathers the same bits in
-byte buckets of their own. Not used under tensor parallel (``plan_float8_all_gather`` says why).
+byte buckets of their own. Under tensor parallel each rank gathers its TP shard of the weight, cast with the
+whole weight's scale, and the linear gets a DTensor of float8 shards, as torchao's float8 TP styles expect.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from titan_simple.parallel.torch_private import StridedShard
 
 FLOAT8 = torch.float8_e4m3fn
 SCALE_BUFFER = "float8_weight_scale"  # each float8-gathered linear's scale, set by refresh_float8_scales
@@ -109,6 +112,7 @@ class Float8Gather:
     dtype: torch.dtype  # the gathered weight's dtype (param_dtype): what the cast starts from
     reduce_dtype: torch.dtype
     mm_config: object  # the linear's torchao LinearMMConfig
+    amax_groups: tuple[str, ...] = ()  # where the weight's pieces are: the shard group, and TP's groups
 
     def unshard(self, param: DTensor, scale: torch.Tensor) -> torch.Tensor:
         """The gathered weight as the ``Float8TrainingTensor`` the linear multiplies; its backward reduces the
@@ -136,20 +140,35 @@ class Float8Gather:
         return _AsFloat8.apply(stand_in, bits, scale, self.mm_config)
 
 
+def _chunk_rows(size: int, n: int) -> tuple[int, ...]:
+    """Rows per rank of ``torch.chunk(size, n)`` (how DTensor splits a ``Shard``), 0 for ranks left empty."""
+    step = -(-size // n)
+    return tuple(max(0, min(step, size - r * step)) for r in range(n))
+
+
 def _float8_gather(module: nn.Module, param: DTensor, spec) -> Float8Gather:
-    mesh, shard_group, rows, coordinate, replicas = spec.dp_mesh, None, (param.shape[0],), 0, []
+    """Under tensor parallel the gathered weight is this rank's TP shard (dp and TP may both cut dim 0, a
+    ``_StridedShard`` dp placement) and the scale covers the whole weight: the amax is all-reduced over the TP
+    group(s) too."""
+    local_rows = param.shape[0]
+    for dim, placement in enumerate(spec.tp_placements):
+        if placement.is_shard() and placement.dim == 0:
+            local_rows = _chunk_rows(local_rows, spec.tp_mesh.size(dim))[spec.tp_mesh.get_local_rank(dim)]
+    mesh, shard_group, rows, coordinate, replicas = spec.dp_mesh, None, (local_rows,), 0, []
     for dim, placement in enumerate(param.placements[: spec.dp_dims]):
         group = mesh.get_group(dim).group_name
-        if placement.is_shard():
+        if placement.is_shard() or isinstance(placement, StridedShard):
             if placement.dim != 0:
                 raise ValueError(f"float8 all-gather: expects dim-0 shards, got {param.placements}")
-            n, step = mesh.size(dim), -(-param.shape[0] // mesh.size(dim))
-            rows = tuple(max(0, min(step, param.shape[0] - r * step)) for r in range(n))
-            shard_group, coordinate = group, mesh.get_local_rank(dim)
+            rows, coordinate = _chunk_rows(local_rows, mesh.size(dim)), mesh.get_local_rank(dim)
+            shard_group = group
         else:
             replicas.append(group)
+    tp_groups = () if spec.tp_mesh is None else tuple(
+        spec.tp_mesh.get_group(dim).group_name for dim in range(spec.tp_mesh.ndim))
     return Float8Gather(shard_group, rows, coordinate, tuple(replicas), spec.mp_policy.param_dtype or param.dtype,
-                        spec.mp_policy.reduce_dtype or param.dtype, module.linear_mm_config)
+                        spec.mp_policy.reduce_dtype or param.dtype, module.linear_mm_config,
+                        amax_groups=(() if shard_group is None else (shard_group,)) + tp_groups)
 
 
 def enable_float8_all_gather(model: nn.Module) -> int:
@@ -165,8 +184,6 @@ def enable_float8_all_gather(model: nn.Module) -> int:
             continue
         if module.config.cast_config_weight.scaling_granularity is not ScalingGranularity.TENSORWISE:
             raise ValueError("float8 all-gather needs tensorwise scaling (rowwise's backward scales the other axis)")
-        if specs["weight"].tp_mesh is not None:
-            raise ValueError("float8 all-gather: not under tensor parallel (the weight is a TP DTensor)")
         param = module._parameters["weight"]
         specs["weight"] = dataclasses.replace(specs["weight"], float8=_float8_gather(module, param, specs["weight"]))
         device = param.device
@@ -181,23 +198,23 @@ def float8_gathered_modules(parts: Iterable[nn.Module]) -> list[nn.Module]:
 
 @torch.no_grad()
 def refresh_float8_scales(parts: Iterable[nn.Module]) -> None:
-    """Set every float8-gathered weight's scale from its current values: one all-reduce(max) per shard group (one per
-    step for any SimpleFSDP layout; a collective: every rank of the group calls it). Call it whenever the weights
-    changed (after the optimizer step or a checkpoint load) and before the forward: the trainer does it at the start
-    of each step and of each validation."""
+    """Set every float8-gathered weight's scale from its current values: one all-reduce(max) per step over the
+    shard group (and one over the TP group under tensor parallel; collectives: every rank of the groups calls it).
+    Call it whenever the weights changed (after the optimizer step or a checkpoint load) and before the forward: the
+    trainer does it at the start of each step and of each validation."""
     from torchao.float8.float8_utils import amax_to_scale  # noqa: PLC0415 -- an optional dependency
 
-    by_group: dict[str | None, list[nn.Module]] = {}
+    by_groups: dict[tuple[str, ...], list[nn.Module]] = {}
     for module in float8_gathered_modules(parts):
-        by_group.setdefault(module._gather_specs["weight"].float8.shard_group, []).append(module)
-    for group, modules in by_group.items():
+        by_groups.setdefault(module._gather_specs["weight"].float8.amax_groups, []).append(module)
+    for groups, modules in by_groups.items():
         shards = [m._parameters["weight"].to_local() for m in modules]
         dtypes = [m._gather_specs["weight"].float8.dtype for m in modules]
         # The amax of the weight as the linear would see it (in its gathered dtype); rounding is monotonic, so
         # that is the high-precision amax rounded once. An empty shard (uneven split) contributes 0.
         amax = torch.stack([torch.linalg.vector_norm(s, math.inf).to(d).float() if s.numel() else
                             s.new_zeros((), dtype=torch.float32) for s, d in zip(shards, dtypes, strict=True)])
-        if group is not None:
+        for group in groups:
             amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", group))
         scales = amax_to_scale(amax, FLOAT8, modules[0].config.round_scales_to_power_of_2)
         for module, scale in zip(modules, scales, strict=True):
