@@ -46,15 +46,18 @@ class _Collectives(TorchDispatchMode):
         super().__init__()
         self.seen: collections.Counter = collections.Counter()
         self.bytes: collections.Counter = collections.Counter()
+        self.groups: collections.Counter = collections.Counter()  # (kind, dtype, process group name) -> count
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kinds = {_c10d.all_gather_into_tensor.default: "all_gather", _c10d.all_reduce.default: "all_reduce",
                  _c10d.reduce_scatter_tensor.default: "reduce_scatter"}
         if func in kinds:
-            key = (kinds[func], str(args[0].dtype).removeprefix("torch."),
+            data = getattr(args[0], "_data", args[0])  # a torchao Float8TrainingTensor: its float8 bits
+            key = (kinds[func], str(data.dtype).removeprefix("torch."),
                    args[1] if func is _c10d.all_reduce.default else "")
             self.seen[key] += 1
-            self.bytes[key] += args[0].numel() * args[0].element_size()
+            self.groups[(key[0], key[1], args[-1])] += 1
+            self.bytes[key] += data.numel() * data.element_size()
         return func(*args, **(kwargs or {}))
 
 

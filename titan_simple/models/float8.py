@@ -72,6 +72,7 @@ class Float8Plan:
     emulate: bool  # CPU: float8 casts, fp32 matmuls (convert_to_float8)
     all_gather: bool = False  # SimpleFSDP gathers the float8 weights in float8 (parallel/float8_gather.py)
     all_gather_note: str = ""  # why the weights are gathered in the param dtype instead ("": no all-gathers)
+    tensor_parallel: bool = False  # torchao's float8 TP styles: activations all-gathered in float8 (tensorwise)
 
     def describe(self) -> str:
         """The plan line's float8 part. MFU keeps the bf16 peak as its denominator (it counts the model's FLOPs,
@@ -79,12 +80,18 @@ class Float8Plan:
         where = " (matmuls emulated on CPU)" if self.emulate else "; mfu is against the bf16 peak"
         gather = ("; weights all-gathered in float8" if self.all_gather else
                   f"; weights all-gathered in the param dtype ({self.all_gather_note})" if self.all_gather_note else "")
-        return self.targets.describe(self.recipe) + gather + where
+        tp = "; TP activations all-gathered in float8" if self.tensor_parallel else ""
+        return self.targets.describe(self.recipe) + gather + tp + where
 
 
 def plan_float8_all_gather(plan: Float8Plan | None, wanted: bool, dims, fsdp_implementation: str) -> Float8Plan | None:
-    """Whether SimpleFSDP gathers the float8 weights in float8, and if not, why (for the plan line)."""
-    if plan is None or not dims.dp_enabled or dims.data_parallel_mode == "replicate":
+    """Whether SimpleFSDP gathers the float8 weights in float8, and if not, why (for the plan line); whether tensor
+    parallel uses torchao's float8 styles (tensorwise: one scale per activation, so a rank can cast its shard before
+    the all-gather; rowwise keeps the plain styles)."""
+    if plan is None:
+        return plan
+    plan = dataclasses.replace(plan, tensor_parallel=dims.tp > 1 and plan.recipe == "tensorwise")
+    if not dims.dp_enabled or dims.data_parallel_mode == "replicate":
         return plan  # no all-gathers to shrink
     why = ("[float8] all_gather = false" if not wanted else
            "rowwise scales each row, and its backward the columns: no one float8 copy to gather"
@@ -94,12 +101,14 @@ def plan_float8_all_gather(plan: Float8Plan | None, wanted: bool, dims, fsdp_imp
     return dataclasses.replace(plan, all_gather=not why, all_gather_note=why)
 
 
-def plan_float8(converters: list[str], config: Float8, model_args: ModelArgs, device_type: str) -> Float8Plan | None:
+def plan_float8(converters: list[str], config: Float8, model_args: ModelArgs, device_type: str,
+                planning: bool = False) -> Float8Plan | None:
     """Which linears become float8 (counted on a meta model), or None without the converter; the one-line error
-    if float8 cannot run here (no torchao, a GPU without float8 matmuls)."""
+    if float8 cannot run here (no torchao, a GPU without float8 matmuls). ``planning`` (the dry run): the GPU
+    planned for is not this machine's; the dry run checks its device table instead."""
     if "float8" not in converters:
         return None
-    problem = float8_problem(device_type)
+    problem = float8_problem("cpu" if planning else device_type)
     if problem is not None:
         raise ConfigError(problem)
     with torch.device("meta"):

@@ -42,6 +42,7 @@ class ParallelPlan:
     reshard_after_forward: bool
     compile: CompilePlan
     float8_all_gather: bool = False  # SimpleFSDP gathers tensorwise float8 weights in float8
+    float8_tensor_parallel: bool = False  # torchao's float8 TP styles for tensorwise float8 linears
 
 
 def parallelize_llama(model: nn.Module, mesh: DeviceMesh | None, plan: ParallelPlan) -> nn.Module:
@@ -50,7 +51,8 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh | None, plan: ParallelP
     with its loss); per-block compilation is done here."""
     dims = plan.dims
     if dims.tp > 1:
-        apply_tensor_parallel(model, tensor_parallel_mesh(mesh), loss_parallel=plan.loss_parallel)
+        apply_tensor_parallel(model, tensor_parallel_mesh(mesh), loss_parallel=plan.loss_parallel,
+                              float8=plan.float8_tensor_parallel)
         if plan.compile.async_tensor_parallel:
             # Inductor fuses a TP collective with its matmul only on groups with symmetric memory enabled.
             enable_symmetric_memory(tensor_parallel_mesh(mesh).get_group().group_name)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -43,13 +44,18 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from titan_simple.parallel.float8_gloo import gather_float8_as_bytes
+
 # The gathering property of SimpleFSDP, reused with zero data-parallel dimensions (keep_gradient_layouts).
 from titan_simple.parallel.simple_fsdp import MixedPrecisionPolicy, _GatherSpec, _parametrize
 
 
-def block_plan() -> dict[str, object]:
-    """The plan of one ``TransformerBlock`` (module paths relative to the block)."""
-    return {
+def block_plan(block: nn.Module | None = None, float8: bool = False) -> dict[str, object]:
+    """The plan of one ``TransformerBlock`` (module paths relative to the block). ``float8`` (tensorwise float8
+    linears): where all of a sublayer's linears are float8, torchao's float8 styles, which cast the normalized
+    input to float8 *before* its all-gather (a rank casts its sequence shard, not the gathered sequence, and the
+    gather moves half the bytes) and the linears' output gradients before theirs."""
+    plan = {
         "attention_norm": SequenceParallel(),
         # (x, freqs_cis): gather the normalized tokens; the RoPE table passes through as a plain tensor.
         "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
@@ -63,9 +69,37 @@ def block_plan() -> dict[str, object]:
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
     }
+    if float8 and block is not None:
+        plan.update(_float8_styles(block))
+    return plan
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> nn.Module:
+def _float8_styles(block: nn.Module) -> dict[str, object]:
+    """torchao's float8 styles for each sublayer of ``block`` whose linears are all float8 (a linear kept in high
+    precision by ``[float8] filter_fqns`` keeps its sublayer on the plain styles)."""
+    from torchao.float8.float8_linear import Float8Linear  # noqa: PLC0415 -- an optional dependency
+    from torchao.float8.float8_tensor_parallel import (  # noqa: PLC0415
+        Float8ColwiseParallel,
+        Float8RowwiseParallel,
+        PrepareFloat8ModuleInput,
+    )
+
+    styles: dict[str, object] = {}
+    for sublayer, colwise, rowwise, layouts in (
+        ("attention", ("wq", "wk", "wv"), "wo", ((Shard(1), None), (Replicate(), None))),
+        ("feed_forward", ("w1", "w3"), "w2", ((Shard(1),), (Replicate(),))),
+    ):
+        if not all(isinstance(block.get_submodule(f"{sublayer}.{n}"), Float8Linear) for n in (*colwise, rowwise)):
+            continue
+        styles[sublayer] = PrepareFloat8ModuleInput(input_layouts=layouts[0], desired_input_layouts=layouts[1],
+                                                    fwd_config_submodule_fqn=colwise[0])
+        styles.update({f"{sublayer}.{n}": Float8ColwiseParallel() for n in colwise})
+        styles[f"{sublayer}.{rowwise}"] = Float8RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
+    return styles
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, float8: bool = False
+                          ) -> nn.Module:
     """Shard a Llama 3 ``Transformer`` over the 1-D ``tp_mesh`` in place (and return it).
 
     Parameters become DTensors on ``tp_mesh`` (``Shard(0)`` for column-parallel weights and the embedding,
@@ -75,7 +109,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: 
     ``tok_embeddings`` / ``norm`` / ``output`` are ``None`` is handled (those entries are skipped).
 
     ``loss_parallel``: the model returns vocab-sharded logits (a ``Shard(-1)`` DTensor) for
-    ``F.cross_entropy`` under ``loss_parallel_context(True)``; otherwise plain, full logits.
+    ``F.cross_entropy`` under ``loss_parallel_context(True)``; otherwise plain, full logits. ``float8``: tensorwise
+    float8 linears get torchao's float8 styles (``block_plan``).
     """
     top: dict[str, object] = {}
     if getattr(model, "tok_embeddings", None) is not None:
@@ -92,8 +127,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: 
         )
     if top:
         parallelize_module(model, tp_mesh, top)
+    if float8 and dist.get_backend(tp_mesh.get_group()) == "gloo":
+        gather_float8_as_bytes()  # gloo has no float8 type
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan())
+        parallelize_module(block, tp_mesh, block_plan(block, float8))
     return model
 
 

@@ -58,6 +58,9 @@ def run_dry_run(config: JobConfig, write: bool = True, spec: DeviceSpec | None =
         extra = {"collective_bandwidth": dry_run.collective_bandwidth} if measured else {}
         spec = device_spec(dry_run.device, dry_run.world_size, **extra)
 
+    if run.float8 is not None and spec.float8_peak_flops is None:
+        raise ConfigError(f"[model] converters = ['float8'] needs float8 matmuls, which {spec.name} does not have: "
+                          "plan for h100 or h200 ([dry_run] device), or drop float8 from [model] converters.")
     init_fake_process_group(dry_run.rank, dry_run.world_size)
     try:
         mesh = run.dims.build_mesh("cpu")

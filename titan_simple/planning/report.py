@@ -124,10 +124,15 @@ def in_flight_chunks(plan: PipelinePlan | None, pp_rank: int) -> int:
 def op_seconds(op: OpCost, spec: DeviceSpec, compiled: bool) -> float:
     memory = spec.memory_bandwidth * spec.memory_efficiency
     launch = spec.kernel_overhead
+    if op.category == "matmul" and op.float8:
+        rate = spec.float8_peak_flops * spec.float8_matmul_efficiency
+        return max(op.flops / rate, op.nbytes / memory) + launch
     if op.category == "matmul":
         return max(op.flops / (spec.peak_flops * spec.matmul_efficiency), op.nbytes / memory) + launch
     if op.category == "attention":
         return max(op.flops / (spec.peak_flops * spec.attention_efficiency), op.nbytes / memory) + launch
+    if compiled and op.fused_nbytes is not None:  # a float8 cast's op, priced as Inductor fuses the chain
+        return op.fused_nbytes / memory + (launch if op.fused_nbytes else 0.0)
     fraction = COMPILED_ELEMENTWISE_FRACTION if compiled else 1.0
     return fraction * (op.nbytes / memory + launch)
 

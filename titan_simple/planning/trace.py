@@ -49,6 +49,7 @@ from titan_simple.planning.measuring import LiveStorageBytes
 _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
 _MATMUL = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default}
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _ATTENTION_FORWARD = _aten._scaled_dot_product_flash_attention_for_cpu.default
 _ATTENTION_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 # Ops that allocate or move no data worth pricing (metadata, aliasing, allocation without a fill).
@@ -70,6 +71,8 @@ class OpCost:
     flops: float  # work the hardware does (causal attention: the unmasked half)
     nbytes: int  # bytes read + written
     phase: str
+    float8: bool = False  # a float8 matmul (torchao's): priced at the device's float8 peak
+    fused_nbytes: int | None = None  # compiled: the bytes left once Inductor fuses a float8 cast (see _cast_bytes)
 
 
 @dataclass
@@ -92,6 +95,8 @@ class StepTracer(LiveStorageBytes):
         self.ignore_meta_tensors = ignore_meta_tensors
         self.ops: list[OpCost] = []
         self.collectives: list[Collective] = []
+
+    _last_upcast: tuple[int, int] | None = None  # the last op, when it was x.float(): (id of its output, index)
 
     def _storage_of(self, t: object) -> torch.UntypedStorage | None:
         storage = super()._storage_of(t)
@@ -144,9 +149,18 @@ class StepTracer(LiveStorageBytes):
         if func in _MATMUL:
             formula = flop_registry[func.overloadpacket]
             flops = float(formula(*args, **kwargs, out_val=out))
-            self.ops.append(OpCost("matmul", flops, nbytes, self.phase))
+            float8 = any(_is_float8(t) for t in tensors_in)  # torchao's Float8TrainingTensor: a _scaled_mm inside
+            self.ops.append(OpCost("matmul", flops, nbytes, self.phase, float8=float8))
             return
-        self.ops.append(OpCost("memory", 0.0, nbytes, self.phase))
+        fused = _cast_bytes(func, args, out)
+        if fused == 0 and func is _aten.mul.Tensor and self._last_upcast is not None:
+            upcast, index = self._last_upcast  # x.float() * scale: Inductor fuses the upcast into the cast too
+            if any(id(t) == upcast for t in args[:2]):
+                self.ops[index].fused_nbytes = 0
+        self._last_upcast = None
+        if func is _aten._to_copy.default and isinstance(out, torch.Tensor) and out.dtype == torch.float32:
+            self._last_upcast = (id(out), len(self.ops))  # an id: a reference would keep the tensor alive
+        self.ops.append(OpCost("memory", 0.0, nbytes, self.phase, fused_nbytes=fused))
 
 
 _PROPAGATING = [0]  # > 0 while DTensor propagates shapes (see ignoring_shape_propagation)
@@ -171,8 +185,38 @@ def ignoring_shape_propagation() -> Iterator[None]:
         ShardingPropagator._propagate_tensor_meta_non_cached = original
 
 
+def _is_float8(t: torch.Tensor) -> bool:
+    data = getattr(t, "_data", None)  # torchao's Float8TrainingTensor keeps its float8 bits there
+    return t.dtype in _FLOAT8 or (isinstance(data, torch.Tensor) and data.dtype in _FLOAT8)
+
+
 def _nbytes(t: torch.Tensor) -> int:
+    data = getattr(t, "_data", None)
+    if isinstance(data, torch.Tensor) and data.dtype in _FLOAT8:  # a float8 tensor subclass: its bits are its bytes
+        return data.numel() * data.element_size()
     return t.numel() * t.element_size()
+
+
+# A float8 cast as torchao writes it, op by op: |x| -> max (the amax), x.float() * scale -> clamp -> to(float8). Eager
+# runs each op over the whole tensor; Inductor fuses the chain into an amax reduction (reads x) and one cast kernel
+# (reads x, writes the float8 bits). Compiled, the dry run prices the chain as those two reads and one write, with x in
+# bf16 (the compute dtype these casts see on GPUs), the x.float() right before ``* scale`` included (StepTracer
+# _record): what the elementwise fraction would leave is several times more.
+_CAST_FUSED_AWAY = {_aten.abs.default, _aten.clamp.default}
+_REDUCTIONS = {_aten.max.default, _aten.amax.default}
+
+
+def _cast_bytes(func, args, out) -> int | None:
+    """The compiled cost in bytes of an op of a float8 cast (``None``: not one, priced as any elementwise op)."""
+    if func in _CAST_FUSED_AWAY:
+        return 0
+    if func in _REDUCTIONS and isinstance(args[0], torch.Tensor):
+        return _nbytes(args[0])  # a reduction reads its input once, fused or not
+    if func is _aten.mul.Tensor and any(isinstance(a, torch.Tensor) and a.dim() == 0 for a in args[:2]):
+        return 0  # x * scale: fused into the cast
+    if func is _aten._to_copy.default and isinstance(out, torch.Tensor) and out.dtype in _FLOAT8:
+        return out.numel() * (out.element_size() + 2)  # reads x (bf16), writes the bits
+    return None
 
 
 @contextlib.contextmanager

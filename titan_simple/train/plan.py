@@ -178,7 +178,7 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     model_args = model_args_for(config)
     validate_parallelism(dims, model_args, config)
     check_profiling(config, world_size, device_type)
-    float8 = plan_float8(config.model.converters, config.float8, model_args, device_type)
+    float8 = plan_float8(config.model.converters, config.float8, model_args, device_type, config.dry_run.enable)
     pipeline = plan_pipeline(config, model_args.n_layers, dims.pp) if dims.pp > 1 else None
     training = config.training
     accumulation = accumulation_steps(training.global_batch_size, training.local_batch_size, dims.dp)
@@ -209,6 +209,7 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
         reduce_dtype=precision.reduce_dtype,
         reshard_after_forward=choose_reshard_after_forward(config, dims, gather, reasons), compile=compile_plan,
         float8_all_gather=float8 is not None and float8.all_gather,
+        float8_tensor_parallel=float8 is not None and float8.tensor_parallel,
     )
     loss = LossPlan(parallel=loss_parallel, compiled_with_model=compile_mode == "whole_with_loss",
                     chunks=choose_loss_chunks(config, compile_mode, reasons))
