@@ -172,6 +172,19 @@ def gather_configs() -> list[BenchConfig]:
     ]
 
 
+def float8_configs() -> list[BenchConfig]:
+    """Float8 (issue 31) against the same job without it, SimpleFSDP compiled with the defaults: on CPU torchao
+    emulates the float8 matmuls in fp32 after real casts, so these rows price the casts and the byte gathers, not
+    float8's speed. Not part of ``all``."""
+    base = ("--parallelism.fsdp_implementation=simple", "--compile.enable=true")
+    return [
+        BenchConfig("float8_off", "SimpleFSDP compiled, no float8", base),
+        BenchConfig("float8", "float8 tensorwise, weights gathered in float8", (*base, "--model.converters=float8")),
+        BenchConfig("float8_param_gather", "float8 tensorwise, weights gathered in the param dtype",
+                    (*base, "--model.converters=float8", "--float8.all_gather=false")),
+    ]
+
+
 def memory_configs() -> list[BenchConfig]:
     """What activation checkpointing and the loss keep (issue 19), with selective AC (the ``peer`` workload):
     the old default (every matmul output saved, the plain loss), TorchTitan's policy (every second matmul), and
@@ -682,7 +695,7 @@ def driver_main(argv: list[str]) -> None:
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
 
     all_configs = config_matrix()
-    known = [*all_configs, *gather_configs(), *memory_configs()]
+    known = [*all_configs, *gather_configs(), *memory_configs(), *float8_configs()]
     if args.list:
         for c in known:
             print(f"{c.name:<22s} {c.label:<42s} {' '.join(c.overrides)}")

@@ -19,6 +19,8 @@ from pathlib import Path
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 
+FLOAT8 = ("--model.converters", "float8")
+BF16_GATHER = ("--float8.all_gather", "false")
 # (name, train.py arguments, published tokens/s/GPU (low, high), published memory GiB (low, high) or None)
 CASES: list[tuple[str, list[str], tuple[float, float] | None, tuple[float, float] | None]] = [
     ("TorchTitan 8B, 8 H100, FSDP8, lbs 2, selective AC, eager",
@@ -51,9 +53,34 @@ CASES: list[tuple[str, list[str], tuple[float, float] | None, tuple[float, float
     ("405B Interleaved 1F1B, gathering per microbatch (fsdp_gather = per_microbatch), dp comm exposed",
      ["--config", "llama3_405b.toml", "--dry_run.world_size", "512", "--parallelism.fsdp_gather", "per_microbatch"],
      (128, 128), (72.7, 72.7)),
+    # Float8 (issue 31): TorchTitan's published float8 runs (benchmarks/llama3_h100_202412_torchtitan.md and
+    # asyncTP_llama3_h100_2025-06_torchtitan.md), tensorwise, our float8 all-gather on (the default).
+    ("TorchTitan 8B, 8 H100, FSDP8, lbs 2, selective AC, compiled, float8",
+     ["--config", "llama3_8b.toml", "--dry_run.world_size", "8", "--training.local_batch_size", "2",
+      "--dry_run.comm_overlap", "overlapped", *FLOAT8], (8532, 8532), (76.8, 76.8)),  # FLOAT8_FIT_CASE
+    ("TorchTitan 70B, 256 H100, FSDP32 x TP8, lbs 16, full AC, float8",
+     ["--config", "llama3_70b.toml", "--dry_run.world_size", "256", "--dry_run.comm_overlap", "overlapped",
+      "--training.local_batch_size", "16", *FLOAT8], (810, 810), None),
+    ("70B as above + async TP, float8",
+     ["--config", "llama3_70b.toml", "--dry_run.world_size", "256", "--dry_run.comm_overlap", "overlapped",
+      "--training.local_batch_size", "16", "--parallelism.enable_async_tensor_parallel", *FLOAT8], (942, 942), None),
+    ("405B shipped config (Interleaved 1F1B, async TP, lbs 32), float8",
+     ["--config", "llama3_405b.toml", "--dry_run.world_size", "512", *FLOAT8], (128, 128), (72.7, 72.7)),
+    # The same float8 runs with the weights gathered in bf16: what gathering them in float8 changes.
+    ("8B float8 as above, weights gathered in bf16",
+     ["--config", "llama3_8b.toml", "--dry_run.world_size", "8", "--training.local_batch_size", "2",
+      "--dry_run.comm_overlap", "overlapped", *FLOAT8, *BF16_GATHER], (8532, 8532), (76.8, 76.8)),
+    ("70B float8 + async TP as above, weights gathered in bf16",
+     ["--config", "llama3_70b.toml", "--dry_run.world_size", "256", "--dry_run.comm_overlap", "overlapped",
+      "--training.local_batch_size", "16", "--parallelism.enable_async_tensor_parallel", *FLOAT8, *BF16_GATHER],
+     (942, 942), None),
+    ("405B float8 as above, weights gathered in bf16",
+     ["--config", "llama3_405b.toml", "--dry_run.world_size", "512", *FLOAT8, *BF16_GATHER], (128, 128),
+     (72.7, 72.7)),
 ]
 
 FIT_CASE = 2  # the constants of planning/hardware.py were fitted on this case alone
+FLOAT8_FIT_CASE = 10  # ... but the float8 GEMM efficiency, fitted on this one
 
 
 def run_case(args: list[str]) -> dict:
@@ -86,7 +113,7 @@ def main() -> None:
         mem_pub = "-" if mem is None else (f"{mem[0]:g}" if mem[0] == mem[1] else f"{mem[0]:g}-{mem[1]:g}")
         mem_err = "-" if mem is None else error(reserved, *mem)
         tps_pub = f"{tps[0]:,.0f}" if tps[0] == tps[1] else f"{tps[0]:,.0f}-{tps[1]:,.0f}"
-        role = "fit" if index == FIT_CASE else "held out"
+        role = "fit" if index == FIT_CASE else "fit (float8 GEMMs)" if index == FLOAT8_FIT_CASE else "held out"
         print(f"| {name} | {role} | {peak:.1f} | {reserved:.1f} | {mem_pub} | {mem_err} | "
               f"{r['roofline_tokens_per_second_per_gpu']:,.0f} | {t:,.0f} | {tps_pub} | {error(t, *tps)} | "
               f"{100 * r['mfu']:.1f}% |", flush=True)

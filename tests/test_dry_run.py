@@ -20,6 +20,7 @@ import pytest
 import torch.distributed as dist
 
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, Transformer, count_parameters
+from titan_simple.planning.hardware import FLOAT8_MATMUL_EFFICIENCY
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 
@@ -43,6 +44,7 @@ TP2_CPU = ("--config", "llama3_debug.toml", "--training.seq_len", "32", "--train
            "--training.mixed_precision_param", "float32")
 RUNS: dict[str, tuple[str, ...]] = {
     "8b": ("--config", "llama3_8b.toml", "--dry_run.world_size", "8"),
+    "8b_float8": ("--config", "llama3_8b.toml", "--dry_run.world_size", "8", "--model.converters", "float8"),
     **{f"8b_regional_{reshard}": ("--config", "llama3_8b.toml", "--dry_run.world_size", "8", "--dry_run.device", "h100",
                                   "--compile.regional", "--parallelism.fsdp_reshard_after_forward", reshard)
        for reshard in ("always", "never")},
@@ -135,6 +137,37 @@ def test_8b_fsdp8_parameter_memory_is_exactly_a_shard(runs):
     seconds = report["time_seconds"]
     assert report["comm_overlapped"]
     assert seconds["data_parallel_comm_exposed"] == pytest.approx(seconds["data_parallel_comm"] / 34, rel=1e-6)
+
+
+@uses("8b", "8b_float8")
+def test_float8_is_priced_at_the_float8_peak_and_gathers_one_byte_per_element(runs):
+    """8B FSDP8, tensorwise float8 with its weights gathered in float8: the 7 linears of each of 32 blocks gathered as
+    uint8 (forward and backward), 1 byte per element where bf16 moved 2; one amax all-reduce per step; the float8
+    GEMMs priced at the float8 peak (faster than bf16); the fitted efficiency as documented."""
+    pytest.importorskip("torchao.float8")
+    (proc, bf16), (proc8, float8) = runs["8b"].result(), runs["8b_float8"].result()
+    assert proc.returncode == 0 and proc8.returncode == 0, proc8.stderr[-3000:]
+    rows = {(c["kind"], c["dtype"]): c for c in float8["collectives_per_step"] if c["mesh_dim"] == "dp_shard"}
+    plain = {(c["kind"], c["dtype"]): c for c in bf16["collectives_per_step"] if c["mesh_dim"] == "dp_shard"}
+    assert rows[("all_gather", "uint8")]["count"] == 2 * 32 * 7
+    assert rows[("all_gather", "bfloat16")]["count"] == 2 * (291 - 32 * 7)
+    assert rows[("all_reduce", "float32")]["count"] == 1
+    gathered = rows[("all_gather", "uint8")]["bytes"] * 2 + rows[("all_gather", "bfloat16")]["bytes"]
+    assert gathered == plain[("all_gather", "bfloat16")]["bytes"]  # the same elements, half the bytes for float8
+    assert rows[("reduce_scatter", "float32")] == plain[("reduce_scatter", "float32")]
+    assert float8["time_seconds"]["compute_matmul"] < 0.7 * bf16["time_seconds"]["compute_matmul"]
+    assert float8["device_spec"]["float8_matmul_efficiency"] == FLOAT8_MATMUL_EFFICIENCY
+    assert float8["tokens_per_second_per_gpu"] > bf16["tokens_per_second_per_gpu"]
+    assert "weights all-gathered in float8" in proc8.stdout
+
+
+def test_float8_on_a_gpu_without_float8_matmuls_is_one_error_line(tmp_path):
+    pytest.importorskip("torchao.float8")
+    proc, report = dry_run(tmp_path, "--config", "llama3_debug.toml", "--dry_run.world_size", "2",
+                           "--dry_run.device", "a100", "--model.converters", "float8", timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and report is None
+    assert len(lines) == 1 and "needs float8 matmuls, which A100 SXM 80GB does not have" in lines[0], proc.stderr
 
 
 @pytest.mark.parametrize("reshard", ["always", "never"])
