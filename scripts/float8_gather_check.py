@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from titan_simple.models.float8 import convert_to_float8  # noqa: E402
 from titan_simple.models.llama3 import ModelArgs, Transformer  # noqa: E402
-from titan_simple.parallel.float8_gather import enable_float8_all_gather, refresh_float8_scales  # noqa: E402
+from titan_simple.parallel.float8_gather import enable_float8_all_gather, refresh_float8_weights  # noqa: E402
 from titan_simple.parallel.sharded_init import materialize_and_init  # noqa: E402
 from titan_simple.parallel.simple_fsdp import MixedPrecisionPolicy, data_parallel  # noqa: E402
 
@@ -57,7 +57,7 @@ def run(args, device: torch.device, gather_in_float8: bool, compiled: bool) -> t
     for _ in range(args.steps):
         start = time.perf_counter()
         optimizer.zero_grad()
-        refresh_float8_scales([model])
+        refresh_float8_weights([model])
         logits = forward(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
         loss.backward()

@@ -312,3 +312,12 @@ def test_timestamped_tensorboard_folder_without_a_run_name(tmp_path):
     (run_folder,) = (tmp_path / "board").iterdir()
     assert metrics_logger.tb_folder == str(run_folder)
     assert run_folder.name[:8].isdigit() and any(run_folder.iterdir())
+
+
+def test_a_float8_runs_step_line_says_which_peak_its_mfu_is_against():
+    from titan_simple.train.metrics import _format_console_line
+
+    metrics = {AVG_LOSS: 5.0, MFU: 52.5}
+    assert "mfu 52.5% (float8 run, of the bf16 peak)" in _format_console_line(
+        3, metrics, 10, None, mfu_note=" (float8 run, of the bf16 peak)")
+    assert _format_console_line(3, metrics, 10, None).endswith("mfu 52.5%")

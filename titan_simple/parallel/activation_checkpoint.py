@@ -50,8 +50,8 @@ _GATHER_DATA_OPS = {
 }
 
 
-# Float8 scaling (torchao's, and float8_gather's cast of a weight shard): |x| for the amax, x * scale, and the clamp
-# before the cast to float8. Elementwise, cheap to redo, and
+# Float8 scaling (torchao's casts of activations and gradients, and of weights gathered in the param dtype): |x| for
+# the amax, x * scale, and the clamp before the cast to float8. Elementwise, cheap to redo, and
 # no backward needs them (a float8 matmul saves its own high-precision inputs); cached, they would hold two fp32
 # copies of every float8 linear's input. The model itself uses neither.
 _FLOAT8_SCALING_OPS = {torch.ops.aten.abs.default, torch.ops.aten.clamp.default}

@@ -3,16 +3,18 @@
 A tensorwise float8 linear (torchao's ``Float8Linear``) casts its whole weight to float8 e4m3 with one scale,
 ``448 / amax(|W|)``, right before its matmul. Gathered in bf16 and then cast, the all-gather moves 2 bytes per
 element; cast first and gathered in float8, 1. Casting a shard needs the amax of the *whole* weight, which no rank
-holds, so once per step, before the first forward (``refresh_float8_scales``):
+holds, so once per step, before the first forward (``refresh_float8_weights``):
 
     one all-reduce(max) of a vector holding every float8 weight's local amax -> each weight's scale
+    each local shard cast with it, (shard * scale).clamp(+-448) -> float8 (``cast_shard``), kept as uint8
 
 and each SimpleFSDP gather of such a weight (``Float8Gather.unshard``, in place of ``simple_fsdp._unshard``):
 
-1. casts the local shard, ``(shard * scale).clamp(+-448) -> float8`` (``cast_shard``): the reshard policy
-   recomputes it in backward, so no cast copy is saved;
-2. all-gathers the bits as uint8 (gloo has no float8 type; NCCL moves the same bytes either way);
-3. hands the linear torchao's ``Float8TrainingTensor`` (the bits and the scale), which it multiplies as it is.
+1. all-gathers the shard's float8 bits as uint8 (gloo has no float8 type; NCCL moves the same bytes either way);
+2. hands the linear torchao's ``Float8TrainingTensor`` (the bits and the scale), which it multiplies as it is.
+
+The cast bits (1 byte per local element, 1/16 of what AdamW keeps per parameter in fp32) live through the step; the
+gathered ones die after forward and are gathered again in backward like any resharded weight.
 
 The backward is SimpleFSDP's: the high-precision weight gradient reduce-scattered (all-reduced over
 ``dp_replicate`` for hybrid_shard) in ``reduce_dtype``. The gradient cannot flow through the float8 bits (autograd
@@ -40,7 +42,8 @@ from torch.distributed.tensor import DTensor
 from titan_simple.parallel.torch_private import StridedShard
 
 FLOAT8 = torch.float8_e4m3fn
-SCALE_BUFFER = "float8_weight_scale"  # each float8-gathered linear's scale, set by refresh_float8_scales
+SCALE_BUFFER = "float8_weight_scale"  # each float8-gathered linear's scale, set by refresh_float8_weights
+BITS_BUFFER = "float8_weight_bits"  # ... and its shard cast with it, as uint8
 
 
 def cast_shard(shard: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -114,18 +117,19 @@ class Float8Gather:
     mm_config: object  # the linear's torchao LinearMMConfig
     amax_groups: tuple[str, ...] = ()  # where the weight's pieces are: the shard group, and TP's groups
 
-    def unshard(self, param: DTensor, scale: torch.Tensor) -> torch.Tensor:
+    def unshard(self, module: nn.Module, param: DTensor) -> torch.Tensor:
         """The gathered weight as the ``Float8TrainingTensor`` the linear multiplies; its backward reduces the
         gradient into ``param``'s shard."""
-        return self.assemble(*self.gather(param, scale), scale)
+        return self.assemble(module, *self.gather(module, param))
 
-    def gather(self, param: DTensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, module: nn.Module, param: DTensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The two plain tensors the weight is made of: the gradient's stand-in and the gathered float8 bits (what a
         compiled region hands the next one: a tensor subclass crossing a graph boundary would make AOTAutograd
-        expect a float8 gradient)."""
+        expect a float8 gradient). The bits gathered are this step's cast of the shard (``refresh_float8_weights``):
+        in a compiled graph the gather then derives from one input, which Inductor's bucketing requires."""
         shard = param.to_local()
         with torch.no_grad():  # the bits carry no gradient: _ReduceGradient's stand-in does
-            bits = cast_shard(shard, scale, self.dtype)
+            bits = module._buffers[BITS_BUFFER]
             if self.shard_group is not None:
                 width = max(self.rows)
                 bits = funcol.wait_tensor(funcol.all_gather_tensor(_pad_rows(bits, width), 0, self.shard_group))
@@ -136,8 +140,8 @@ class Float8Gather:
                                          self.replicate_groups, self.reduce_dtype)
         return stand_in, bits
 
-    def assemble(self, stand_in: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return _AsFloat8.apply(stand_in, bits, scale, self.mm_config)
+    def assemble(self, module: nn.Module, stand_in: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        return _AsFloat8.apply(stand_in, bits, module._buffers[SCALE_BUFFER], self.mm_config)
 
 
 def _chunk_rows(size: int, n: int) -> tuple[int, ...]:
@@ -173,7 +177,8 @@ def _float8_gather(module: nn.Module, param: DTensor, spec) -> Float8Gather:
 
 def enable_float8_all_gather(model: nn.Module) -> int:
     """Gather every tensorwise float8 linear's weight in float8 (after ``data_parallel``; on the meta model too).
-    Each gets a ``float8_weight_scale`` buffer (not saved in checkpoints). Returns how many linears."""
+    Each gets two buffers, not saved in checkpoints: ``float8_weight_scale`` and ``float8_weight_bits`` (its shard in
+    float8: 1 byte per local element). Returns how many linears."""
     from torchao.float8.config import ScalingGranularity  # noqa: PLC0415 -- an optional dependency
     from torchao.float8.float8_linear import Float8Linear  # noqa: PLC0415
 
@@ -188,6 +193,8 @@ def enable_float8_all_gather(model: nn.Module) -> int:
         specs["weight"] = dataclasses.replace(specs["weight"], float8=_float8_gather(module, param, specs["weight"]))
         device = param.device
         module.register_buffer(SCALE_BUFFER, torch.full((), math.nan, device=device), persistent=False)
+        module.register_buffer(BITS_BUFFER, torch.empty(param.to_local().shape, dtype=torch.uint8, device=device),
+                               persistent=False)
         count += 1
     return count
 
@@ -197,11 +204,12 @@ def float8_gathered_modules(parts: Iterable[nn.Module]) -> list[nn.Module]:
 
 
 @torch.no_grad()
-def refresh_float8_scales(parts: Iterable[nn.Module]) -> None:
-    """Set every float8-gathered weight's scale from its current values: one all-reduce(max) per step over the
-    shard group (and one over the TP group under tensor parallel; collectives: every rank of the groups calls it).
-    Call it whenever the weights changed (after the optimizer step or a checkpoint load) and before the forward: the
-    trainer does it at the start of each step and of each validation."""
+def refresh_float8_weights(parts: Iterable[nn.Module]) -> None:
+    """Set every float8-gathered weight's scale from its current values, one all-reduce(max) per step over the shard
+    group (and one over the TP group under tensor parallel; collectives: every rank of the groups calls it), and
+    cast its shard with it into ``float8_weight_bits``. Call it whenever the weights changed (after the optimizer
+    step or a checkpoint load) and before the forward: the trainer does it at the start of each step and of each
+    validation. Casting once per step, not at each gather, also spares the backward's recomputed gathers the cast."""
     from torchao.float8.float8_utils import amax_to_scale  # noqa: PLC0415 -- an optional dependency
 
     by_groups: dict[tuple[str, ...], list[nn.Module]] = {}
@@ -217,5 +225,6 @@ def refresh_float8_scales(parts: Iterable[nn.Module]) -> None:
         for group in groups:
             amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", group))
         scales = amax_to_scale(amax, FLOAT8, modules[0].config.round_scales_to_power_of_2)
-        for module, scale in zip(modules, scales, strict=True):
+        for module, shard, dtype, scale in zip(modules, shards, dtypes, scales, strict=True):
             module._buffers[SCALE_BUFFER].copy_(scale)
+            module._buffers[BITS_BUFFER].copy_(cast_shard(shard, scale, dtype))

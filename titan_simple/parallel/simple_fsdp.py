@@ -85,7 +85,7 @@ def _unshard(module: nn.Module, name: str) -> torch.Tensor:
     parallel); its backward reduces the gradient over the dp dims."""
     param, spec = module._parameters[name], module._gather_specs[name]
     if spec.float8 is not None:  # cast to float8 with this step's scale, then gathered (float8_gather.py)
-        return spec.float8.unshard(param, module.float8_weight_scale)
+        return spec.float8.unshard(module, param)
     dp = spec.dp_dims
     unsharded = param.redistribute(
         placements=(Replicate(),) * dp + spec.tp_placements,
@@ -110,7 +110,7 @@ def gather_unsharded(module: nn.Module) -> dict[str, torch.Tensor | tuple[torch.
     def gathered(name: str):
         spec = module._gather_specs[name]
         if spec.float8 is not None:
-            return spec.float8.gather(module._parameters[name], module.float8_weight_scale)
+            return spec.float8.gather(module, module._parameters[name])
         return _unshard(module, name)
 
     return {name: gathered(name) for name in module._gather_specs}
@@ -155,7 +155,7 @@ def _gathered_property(name: str) -> property:
             # region before (regional compilation's hand-off, regions.py)
             held, spec = self._held_unsharded[name], self._gather_specs[name]
             if isinstance(held, tuple):  # a float8 weight handed over as its plain parts (float8_gather.py)
-                held = spec.float8.assemble(*held, self.float8_weight_scale)
+                held = spec.float8.assemble(self, *held)
             return _for_compute(held, param, spec)
         return _gather(self, name)
 

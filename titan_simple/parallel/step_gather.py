@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from titan_simple.parallel.float8_gather import cast_shard
+from titan_simple.parallel.float8_gather import BITS_BUFFER
 from titan_simple.parallel.simple_fsdp import _GatherSpec, default_reshard_modules
 from titan_simple.parallel.torch_private import StridedShard
 
@@ -86,10 +86,10 @@ def _dp_layout(param: DTensor, spec: _GatherSpec) -> tuple[int | None, int, int]
 
 
 def _to_gather(entry: _Entry) -> torch.Tensor:
-    """What a parameter's shard is gathered as: float8 bits cast with this step's scale (a float8-gathered weight,
+    """What a parameter's shard is gathered as: this step's float8 bits (a float8-gathered weight,
     ``float8_gather.py``), or the shard in ``param_dtype``."""
     if entry.spec.float8 is not None:
-        return cast_shard(entry.param.to_local(), entry.module.float8_weight_scale, entry.spec.float8.dtype)
+        return entry.module._buffers[BITS_BUFFER]
     return entry.param.to_local().to(entry.spec.mp_policy.param_dtype or entry.param.dtype)
 
 

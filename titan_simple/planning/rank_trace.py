@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from titan_simple.parallel.compile import transformer_block_plan
-from titan_simple.parallel.float8_gather import refresh_float8_scales
+from titan_simple.parallel.float8_gather import refresh_float8_weights
 from titan_simple.parallel.regions import (
     EMBEDDING,
     HANDOFF,
@@ -239,7 +239,7 @@ def trace_rank(run: RunPlan, mesh: DeviceMesh | None) -> RankTrace:
             tracer.track(buffer)
         if run.parallel.float8_all_gather:  # the step's one amax all-reduce (and the amaxes): once per step
             tracer.set_phase("gather")
-            refresh_float8_scales(parts)
+            refresh_float8_weights(parts)
         gather = model_parts.step_gather  # once per step: the held weights are alive through every microbatch
         if gather is not None:
             tracer.set_phase("gather")

@@ -327,9 +327,10 @@ def global_avg_and_max(loss: torch.Tensor, group: dist.ProcessGroup | None = Non
 
 
 def _format_console_line(
-    step: int, metrics: dict[str, float], total_steps: int | None, eta: float | None
+    step: int, metrics: dict[str, float], total_steps: int | None, eta: float | None, mfu_note: str = ""
 ) -> str:
-    """``step  10/100 | loss 5.1234 | grad_norm 1.23 | lr 3.00e-04 | ...`` with only the metrics present."""
+    """``step  10/100 | loss 5.1234 | grad_norm 1.23 | lr 3.00e-04 | ...`` with only the metrics present;
+    ``mfu_note`` follows the MFU (a float8 run: which peak it is against)."""
     width = len(str(total_steps)) if total_steps else 0
     parts = [f"step {step:>{width}}/{total_steps}" if total_steps else f"step {step}"]
     m = metrics
@@ -344,7 +345,7 @@ def _format_console_line(
     if TFLOPS in m:
         parts.append(f"tflops {m[TFLOPS]:.3g}")
     if MFU in m:
-        parts.append(f"mfu {m[MFU]:.1f}%")
+        parts.append(f"mfu {m[MFU]:.1f}%{mfu_note}")
     if CUDA_MAX_RESERVED_GIB in m:
         parts.append(f"mem {m[CUDA_MAX_RESERVED_GIB]:.2f}GiB ({m.get(CUDA_MAX_RESERVED_PERCENT, 0.0):.1f}%)")
     elif PEAK_RSS_GIB in m:
@@ -380,8 +381,10 @@ class MetricsLogger:
         enable_tensorboard: bool,
         save_tb_folder: str = "tb",
         run_name: str | None = None,
+        mfu_note: str = "",
     ) -> None:
         self.enabled = rank == log_rank
+        self.mfu_note = mfu_note
         self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
         self.tb_folder: str | None = None
         self._jsonl: IO[str] | None = None
@@ -416,7 +419,7 @@ class MetricsLogger:
         if not self.enabled:
             return
         values = {key: float(value) for key, value in metrics.items()}
-        logger.info(_format_console_line(step, values, total_steps, eta_seconds))
+        logger.info(_format_console_line(step, values, total_steps, eta_seconds, self.mfu_note))
         if self._jsonl is None:
             raise RuntimeError("MetricsLogger.log() called after close()")
         self._jsonl.write(json.dumps({"step": step, **values}) + "\n")

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from titan_simple.parallel.clip_grad import clip_grad_norm_
-from titan_simple.parallel.float8_gather import refresh_float8_scales
+from titan_simple.parallel.float8_gather import refresh_float8_weights
 from titan_simple.parallel.fsdp2 import gradient_averaging_factor
 from titan_simple.parallel.tensor_parallel import loss_parallel_context
 from titan_simple.train.build import ModelParts
@@ -100,7 +100,7 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=not self.keep_grad_buffers)
         loss_sum = torch.zeros((), device=self.device)
         if self.plan.parallel.float8_all_gather:  # the weights changed: this step's float8 scales, one all-reduce
-            refresh_float8_scales(self.parts.modules)
+            refresh_float8_weights(self.parts.modules)
         gather = self.parts.step_gather
         if gather is not None:  # once per step: all-gather the weights now, reduce-scatter after the last batch
             self.hooks.phase("gather")

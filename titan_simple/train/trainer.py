@@ -104,6 +104,8 @@ class Trainer:
         self.metrics = MetricsLogger(
             config.job.dump_folder, rank=self.dist.rank, enable_tensorboard=config.metrics.enable_tensorboard,
             save_tb_folder=config.metrics.save_tb_folder,
+            # float8 matmuls run at twice bf16's peak; MFU counts the model's FLOPs against bf16's (plan line too)
+            mfu_note=" (float8 run, of the bf16 peak)" if self.plan.float8 is not None else "",
         )
         self.memory = MemoryMonitor(self.device)
         self.validator = Validator(

@@ -29,7 +29,7 @@ from torch import nn
 
 from titan_simple.data import Tokenizer, build_dataloader
 from titan_simple.errors import ConfigError
-from titan_simple.parallel.float8_gather import refresh_float8_scales
+from titan_simple.parallel.float8_gather import refresh_float8_weights
 from titan_simple.parallel.pipeline import PipelineRun
 from titan_simple.parallel.tensor_parallel import loss_parallel_context
 from titan_simple.train.loss import cross_entropy_sum
@@ -110,7 +110,7 @@ class Validator:
 
         Returns the metrics keyed by their TensorBoard tags, the same values on every rank."""
         parts = self._model_parts()
-        refresh_float8_scales(parts)  # float8-gathered weights' scales for the current weights (a no-op without)
+        refresh_float8_weights(parts)  # float8-gathered weights' scales for the current weights (a no-op without)
         was_training = [part.training for part in parts]
         for part in parts:
             part.train(False)  # the Llama modules have no dropout; set for any model that has
