@@ -18,6 +18,7 @@ tests and numerics, never for speed.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -119,10 +120,20 @@ def plan_float8(converters: list[str], config: Float8, model_args: ModelArgs, de
 
 def float8_problem(device_type: str) -> str | None:
     """Why float8 training cannot run here (one line, with the fix), or None."""
+    # torchao's import warns about kernels float8 training does not use (mxfp8 / cutlass extensions built for other
+    # torch versions, triton int matmuls on CPU builds) and torch about a pytree registration it deprecates: kept out
+    # of the log.
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.ERROR)
     try:
         import torchao.float8  # noqa: F401, PLC0415 -- an optional dependency, imported only when asked for
     except ImportError:
         return f"[model] converters = ['float8'] needs torchao, which is not installed: {INSTALL_HINT}"
+    finally:
+        for log, level in zip(quiet, levels, strict=True):
+            log.setLevel(level)
     if device_type == "cuda":
         capability = torch.cuda.get_device_capability()
         if capability < MIN_CUDA_CAPABILITY:
