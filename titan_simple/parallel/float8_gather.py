@@ -42,6 +42,9 @@ from torch.distributed.tensor import DTensor
 from titan_simple.parallel.torch_private import StridedShard
 
 FLOAT8 = torch.float8_e4m3fn
+# torch 2.13 renamed these (the old names warn); torch 2.11, which the GPU machine had, has only the old ones.
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 SCALE_BUFFER = "float8_weight_scale"  # each float8-gathered linear's scale, set by refresh_float8_weights
 BITS_BUFFER = "float8_weight_bits"  # ... and its shard cast with it, as uint8
 
@@ -82,7 +85,7 @@ class _ReduceGradient(torch.autograd.Function):
                 grad = torch.cat([_pad_rows(block, width) for block in grad.split(list(rows))])
             # No explicit waits: the collective's tensor waits where it is first read (the optimizer's, unless a
             # pass moves it), as DTensor's reductions do; Inductor's bucketing expects that order.
-            grad = funcol.reduce_scatter_tensor(grad, "sum", 0, shard_group)
+            grad = _reduce_scatter(grad, "sum", 0, shard_group)
             if min(rows) != width:
                 grad = grad[: rows[coordinate]]
         return grad.to(shard_dtype), None, None, None, None, None, None, None
@@ -132,7 +135,7 @@ class Float8Gather:
             bits = module._buffers[BITS_BUFFER]
             if self.shard_group is not None:
                 width = max(self.rows)
-                bits = funcol.wait_tensor(funcol.all_gather_tensor(_pad_rows(bits, width), 0, self.shard_group))
+                bits = funcol.wait_tensor(_all_gather(_pad_rows(bits, width), 0, self.shard_group))
                 if min(self.rows) != width:  # uneven shards (torch.chunk's split): drop each rank's padding
                     bits = torch.cat([block[:n] for block, n in zip(bits.split(width), self.rows, strict=True)])
         shape = (sum(self.rows), *shard.shape[1:])
