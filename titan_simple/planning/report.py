@@ -13,7 +13,8 @@ weights, logits, the foreach optimizer's temporaries) plus the other in-flight m
 
 * each op: ``max(FLOPs / (peak x efficiency), bytes / (HBM bandwidth x efficiency))`` plus, in eager mode, a
   launch overhead; compiled, elementwise traffic and launches are cut to ``COMPILED_ELEMENTWISE_FRACTION``
-  (Inductor fuses chains of elementwise ops into one kernel);
+  (Inductor fuses chains of elementwise ops into one kernel); float8 GEMMs at the float8 peak, and a compiled
+  float8 cast as the one read and write Inductor fuses it into (``trace._cast_bytes``, docs/dry_run.md);
 * each collective: ``latency + wire bytes / (link bandwidth x efficiency)``, ring algorithms (all-gather and
   reduce-scatter move ``(n-1)/n`` of the full tensor per rank, all-reduce twice that); NVLink when the
   group fits in one node (the mesh puts tp innermost, then dp_shard, dp_replicate, pp), else the NIC;
@@ -124,13 +125,10 @@ def in_flight_chunks(plan: PipelinePlan | None, pp_rank: int) -> int:
 def op_seconds(op: OpCost, spec: DeviceSpec, compiled: bool) -> float:
     memory = spec.memory_bandwidth * spec.memory_efficiency
     launch = spec.kernel_overhead
-    if op.category == "matmul" and op.float8:
-        rate = spec.float8_peak_flops * spec.float8_matmul_efficiency
-        return max(op.flops / rate, op.nbytes / memory) + launch
-    if op.category == "matmul":
-        return max(op.flops / (spec.peak_flops * spec.matmul_efficiency), op.nbytes / memory) + launch
-    if op.category == "attention":
-        return max(op.flops / (spec.peak_flops * spec.attention_efficiency), op.nbytes / memory) + launch
+    rate = {"matmul": (spec.float8_peak_flops or 0.0) * spec.float8_matmul_efficiency if op.float8 else
+            spec.peak_flops * spec.matmul_efficiency, "attention": spec.peak_flops * spec.attention_efficiency}
+    if op.category in rate:
+        return max(op.flops / rate[op.category], op.nbytes / memory) + launch
     if compiled and op.fused_nbytes is not None:  # a float8 cast's op, priced as Inductor fuses the chain
         return op.fused_nbytes / memory + (launch if op.fused_nbytes else 0.0)
     fraction = COMPILED_ELEMENTWISE_FRACTION if compiled else 1.0
@@ -345,7 +343,7 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
     global_tokens = run.global_tokens
     roofline_tokens_per_gpu = global_tokens / world / step_s
     tokens_per_gpu = roofline_tokens_per_gpu * spec.achieved_fraction
-    model_flops = flops_per_token(args, _non_embedding_params(args), training.seq_len)
+    model_flops = flops_per_token(args, count_parameters_of(args, exclude_embedding=True), training.seq_len)
     mfu = tokens_per_gpu * model_flops / spec.peak_flops
 
     collectives = [
@@ -418,16 +416,12 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
     }
 
 
-def _non_embedding_params(args) -> int:
-    return count_parameters_of(args) - args.vocab_size * args.dim
-
-
-def count_parameters_of(args) -> int:
+def count_parameters_of(args, exclude_embedding: bool = False) -> int:
     """Parameter count from the shapes alone (no model build)."""
-    with torch.device("meta"):
-        from titan_simple.models.llama3 import Transformer
+    from titan_simple.models.llama3 import Transformer
 
-        return count_parameters(Transformer(args))
+    with torch.device("meta"):
+        return count_parameters(Transformer(args)) - (args.vocab_size * args.dim if exclude_embedding else 0)
 
 
 # ---------------------------------------------------------------------------------------------- output
