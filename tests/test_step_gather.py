@@ -21,8 +21,8 @@ from titan_simple.config import load_job_config
 from titan_simple.errors import ConfigError
 from titan_simple.parallel import step_gather
 from titan_simple.parallel.dims import ParallelDims
-from titan_simple.parallel.simple_fsdp import MixedPrecisionPolicy, data_parallel
-from titan_simple.parallel.step_gather import StepGather, _chunk_rows
+from titan_simple.parallel.simple_fsdp import MixedPrecisionPolicy, chunk_rows, data_parallel
+from titan_simple.parallel.step_gather import StepGather
 from titan_simple.train.plan import choose_gather_mode
 
 STEPS = 10
@@ -203,7 +203,7 @@ def test_chunk_rows_is_dtensors_split():
     for size in range(0, 12):
         for n in (1, 2, 3, 4, 8):
             expected = [len(c) for c in torch.arange(size).chunk(n)] if size else []
-            assert _chunk_rows(size, n) == expected + [0] * (n - len(expected)), (size, n)
+            assert chunk_rows(size, n) == expected + [0] * (n - len(expected)), (size, n)
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [

@@ -78,7 +78,7 @@ class Float8:
     all_gather: bool = option(
         True, "Tensorwise only: SimpleFSDP casts each weight shard to float8 before all-gathering it, so the gather "
         "moves 1 byte per element instead of bf16's 2 (one all-reduce of every weight's amax per step sets the "
-        "scales). Same numbers as gathering in bf16. Rowwise, tensor parallel and FSDP2 "
+        "scales). Same numbers as gathering in bf16. Rowwise and FSDP2 "
         "gather in the param dtype; the plan line says which."
     )
 

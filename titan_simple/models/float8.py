@@ -85,7 +85,7 @@ class Float8Plan:
         return self.targets.describe(self.recipe) + gather + tp + where
 
 
-def plan_float8_all_gather(plan: Float8Plan | None, wanted: bool, dims, fsdp_implementation: str) -> Float8Plan | None:
+def plan_float8_parallel(plan: Float8Plan | None, wanted: bool, dims, fsdp_implementation: str) -> Float8Plan | None:
     """Whether SimpleFSDP gathers the float8 weights in float8, and if not, why (for the plan line); whether tensor
     parallel uses torchao's float8 styles (tensorwise: one scale per activation, so a rank can cast its shard before
     the all-gather; rowwise keeps the plain styles)."""

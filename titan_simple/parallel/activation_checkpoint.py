@@ -57,7 +57,7 @@ _GATHER_DATA_OPS = {
 _FLOAT8_SCALING_OPS = {torch.ops.aten.abs.default, torch.ops.aten.clamp.default}
 
 
-def _is_float8_scaling(op, args) -> bool:
+def is_float8_scaling(op, args) -> bool:
     """torchao's tensorwise ``x * scale`` (a 0-dim scale) or one of ``_FLOAT8_SCALING_OPS``."""
     if op in _FLOAT8_SCALING_OPS:
         return True
@@ -76,14 +76,14 @@ def is_view_op(op) -> bool:
 def reshard_policy(data_parallel_group_names: Iterable[str]) -> Policy:
     """Recompute in backward exactly what produces an unsharded parameter: the all-gathers over the
     data-parallel groups, the cast and padding before them, the unpadding/concatenation after them, and
-    views; and float8 scaling's elementwise copies (``_is_float8_scaling``). All-gathers over other groups
+    views; and float8 scaling's elementwise copies (``is_float8_scaling``). All-gathers over other groups
     (tensor-parallel activations) are left to the next policy."""
     groups = frozenset(data_parallel_group_names)
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy | None:
         if op is _c10d.all_gather_into_tensor.default:
             return CheckpointPolicy.MUST_RECOMPUTE if args[2] in groups else None
-        if op in _GATHER_DATA_OPS or is_view_op(op) or _is_float8_scaling(op, args):
+        if op in _GATHER_DATA_OPS or is_view_op(op) or is_float8_scaling(op, args):
             return CheckpointPolicy.MUST_RECOMPUTE
         return None
 

@@ -39,6 +39,7 @@ import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from titan_simple.parallel.simple_fsdp import chunk_rows, unsharded_local_shape
 from titan_simple.parallel.torch_private import StridedShard
 
 FLOAT8 = torch.float8_e4m3fn
@@ -51,8 +52,7 @@ BITS_BUFFER = "float8_weight_bits"  # ... and its shard cast with it, as uint8
 
 def cast_shard(shard: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``shard`` in ``dtype`` (the gathered weight's dtype), scaled and saturated to float8 exactly as torchao casts a
-    whole weight, as uint8 bits. Plain elementwise ops: Inductor fuses them into one pass over the shard, and the
-    reshard policy recomputes each of them in backward (``activation_checkpoint._is_float8_scaling``)."""
+    whole weight, as uint8 bits. Run once per step, outside any compiled graph (``refresh_float8_weights``)."""
     from torchao.float8.float8_utils import to_fp8_saturated  # noqa: PLC0415 -- an optional dependency
 
     return to_fp8_saturated(shard.to(dtype).to(torch.float32) * scale, FLOAT8).view(torch.uint8)
@@ -147,27 +147,18 @@ class Float8Gather:
         return _AsFloat8.apply(stand_in, bits, module._buffers[SCALE_BUFFER], self.mm_config)
 
 
-def _chunk_rows(size: int, n: int) -> tuple[int, ...]:
-    """Rows per rank of ``torch.chunk(size, n)`` (how DTensor splits a ``Shard``), 0 for ranks left empty."""
-    step = -(-size // n)
-    return tuple(max(0, min(step, size - r * step)) for r in range(n))
-
-
 def _float8_gather(module: nn.Module, param: DTensor, spec) -> Float8Gather:
     """Under tensor parallel the gathered weight is this rank's TP shard (dp and TP may both cut dim 0, a
     ``_StridedShard`` dp placement) and the scale covers the whole weight: the amax is all-reduced over the TP
     group(s) too."""
-    local_rows = param.shape[0]
-    for dim, placement in enumerate(spec.tp_placements):
-        if placement.is_shard() and placement.dim == 0:
-            local_rows = _chunk_rows(local_rows, spec.tp_mesh.size(dim))[spec.tp_mesh.get_local_rank(dim)]
+    local_rows = unsharded_local_shape(param, spec)[0]
     mesh, shard_group, rows, coordinate, replicas = spec.dp_mesh, None, (local_rows,), 0, []
     for dim, placement in enumerate(param.placements[: spec.dp_dims]):
         group = mesh.get_group(dim).group_name
         if placement.is_shard() or isinstance(placement, StridedShard):
             if placement.dim != 0:
                 raise ValueError(f"float8 all-gather: expects dim-0 shards, got {param.placements}")
-            rows, coordinate = _chunk_rows(local_rows, mesh.size(dim)), mesh.get_local_rank(dim)
+            rows, coordinate = tuple(chunk_rows(local_rows, mesh.size(dim))), mesh.get_local_rank(dim)
             shard_group = group
         else:
             replicas.append(group)

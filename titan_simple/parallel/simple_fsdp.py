@@ -84,7 +84,7 @@ def _unshard(module: nn.Module, name: str) -> torch.Tensor:
     """The parameter all-gathered over the dp dims, as a local tensor (this rank's TP shard under tensor
     parallel); its backward reduces the gradient over the dp dims."""
     param, spec = module._parameters[name], module._gather_specs[name]
-    if spec.float8 is not None:  # cast to float8 with this step's scale, then gathered (float8_gather.py)
+    if spec.float8 is not None:  # this step's float8 bits of the shard, gathered (float8_gather.py)
         return spec.float8.unshard(module, param)
     dp = spec.dp_dims
     unsharded = param.redistribute(
@@ -93,6 +93,23 @@ def _unshard(module: nn.Module, name: str) -> torch.Tensor:
         backward_dtype=spec.mp_policy.reduce_dtype,  # the reduce-scatter / all-reduce runs in reduce_dtype
     )
     return unsharded.to_local(grad_placements=(Partial("sum"),) * dp + spec.tp_placements)
+
+
+def chunk_rows(size: int, n: int) -> list[int]:
+    """Rows per rank of ``torch.chunk(size, n)`` (how DTensor splits ``Shard(0)``), 0 for ranks left empty."""
+    step = -(-size // n)
+    return [max(0, min(step, size - r * step)) for r in range(n)]
+
+
+def unsharded_local_shape(param: DTensor, spec: _GatherSpec) -> tuple[int, ...]:
+    """The parameter's shape once gathered over dp: its global shape, cut by its tensor-parallel shards."""
+    shape = list(param.shape)
+    if spec.tp_mesh is not None:
+        for mesh_dim, placement in enumerate(spec.tp_placements):
+            if placement.is_shard():
+                size, coordinate = spec.tp_mesh.size(mesh_dim), spec.tp_mesh.get_local_rank(mesh_dim)
+                shape[placement.dim] = chunk_rows(shape[placement.dim], size)[coordinate]
+    return tuple(shape)
 
 
 def data_parallel_group_names(model: nn.Module) -> set[str]:

@@ -43,7 +43,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from titan_simple.parallel.float8_gather import BITS_BUFFER
-from titan_simple.parallel.simple_fsdp import _GatherSpec, default_reshard_modules
+from titan_simple.parallel.simple_fsdp import _GatherSpec, chunk_rows, default_reshard_modules, unsharded_local_shape
 from titan_simple.parallel.torch_private import StridedShard
 
 
@@ -93,23 +93,6 @@ def _to_gather(entry: _Entry) -> torch.Tensor:
     return entry.param.to_local().to(entry.spec.mp_policy.param_dtype or entry.param.dtype)
 
 
-def _chunk_rows(size: int, n: int) -> list[int]:
-    """Rows per rank of ``torch.chunk(size, n)`` (how DTensor splits ``Shard(0)``), 0 for ranks left empty."""
-    step = -(-size // n)
-    return [max(0, min(step, size - r * step)) for r in range(n)]
-
-
-def _unsharded_local_shape(param: DTensor, spec: _GatherSpec) -> tuple[int, ...]:
-    """The parameter's shape once gathered over dp: its global shape, cut by its tensor-parallel shards."""
-    shape = list(param.shape)
-    if spec.tp_mesh is not None:
-        for mesh_dim, placement in enumerate(spec.tp_placements):
-            if placement.is_shard():
-                size, coordinate = spec.tp_mesh.size(mesh_dim), spec.tp_mesh.get_local_rank(mesh_dim)
-                shape[placement.dim] = _chunk_rows(shape[placement.dim], size)[coordinate]
-    return tuple(shape)
-
-
 class StepGather:
     """Hold the unsharded weights of ``parts`` (SimpleFSDP-wrapped modules) for a whole step; see the module
     docstring. ``gather()`` and ``reduce()`` are collectives: every rank of the dp mesh calls them."""
@@ -156,8 +139,8 @@ class StepGather:
                     raise ValueError("step_gather: a bucket's parameters must share their data-parallel layout: "
                                      f"{layout} vs {group}")
                 group = layout
-                shape = _unsharded_local_shape(param, spec)
-                entry = _Entry(module, name, param, spec, shape, _chunk_rows(shape[0], n))
+                shape = unsharded_local_shape(param, spec)
+                entry = _Entry(module, name, param, spec, shape, chunk_rows(shape[0], n))
                 if id(param) in seen:  # a tied weight: gathered once, read by both modules
                     entry.width = -1
                 seen.add(id(param))

@@ -43,6 +43,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from titan_simple.models import llama3
+from titan_simple.parallel.activation_checkpoint import is_float8_scaling
 from titan_simple.parallel.comm_plan import COLLECTIVE_KINDS
 from titan_simple.planning.measuring import LiveStorageBytes
 
@@ -202,18 +203,15 @@ def _nbytes(t: torch.Tensor) -> int:
 # (reads x, writes the float8 bits). Compiled, the dry run prices the chain as those two reads and one write, with x in
 # bf16 (the compute dtype these casts see on GPUs), the x.float() right before ``* scale`` included (StepTracer
 # _record): what the elementwise fraction would leave is several times more.
-_CAST_FUSED_AWAY = {_aten.abs.default, _aten.clamp.default}
 _REDUCTIONS = {_aten.max.default, _aten.amax.default}
 
 
 def _cast_bytes(func, args, out) -> int | None:
     """The compiled cost in bytes of an op of a float8 cast (``None``: not one, priced as any elementwise op)."""
-    if func in _CAST_FUSED_AWAY:
-        return 0
+    if is_float8_scaling(func, args):
+        return 0  # |x|, x * scale, the clamp: fused into the amax and the cast (the checkpoint policy's rule)
     if func in _REDUCTIONS and isinstance(args[0], torch.Tensor):
         return _nbytes(args[0])  # a reduction reads its input once, fused or not
-    if func is _aten.mul.Tensor and any(isinstance(a, torch.Tensor) and a.dim() == 0 for a in args[:2]):
-        return 0  # x * scale: fused into the cast
     if func is _aten._to_copy.default and isinstance(out, torch.Tensor) and out.dtype in _FLOAT8:
         return out.numel() * (out.element_size() + 2)  # reads x (bf16), writes the bits
     return None

@@ -31,7 +31,7 @@ import torch
 from titan_simple.config import JobConfig
 from titan_simple.data.datasets import data_cache_folder
 from titan_simple.errors import ConfigError
-from titan_simple.models.float8 import Float8Plan, plan_float8, plan_float8_all_gather
+from titan_simple.models.float8 import Float8Plan, plan_float8, plan_float8_parallel
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, ModelArgs, build_model
 from titan_simple.parallel.compile import CompilePlan
 from titan_simple.parallel.dims import ParallelDims, validate_parallelism
@@ -183,7 +183,7 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     training = config.training
     accumulation = accumulation_steps(training.global_batch_size, training.local_batch_size, dims.dp)
     gather = choose_gather_mode(config, dims, reasons)
-    float8 = plan_float8_all_gather(float8, config.float8.all_gather, dims, config.parallelism.fsdp_implementation)
+    float8 = plan_float8_parallel(float8, config.float8.all_gather, dims, config.parallelism.fsdp_implementation)
     precision = choose_precision(config, dims, device_type, reasons)
     compile_mode = choose_compile_mode(config, dims, reasons)
     compile_config = config.compile
