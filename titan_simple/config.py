@@ -373,6 +373,39 @@ class Checkpoint:
 
 
 @dataclass
+class FaultTolerance:
+    enable: bool = option(
+        False, "Fault-tolerant replica groups (torchft; needs the ft extra): the data-parallel world is group_size "
+        "groups, each its own torchrun job with this config (SimpleFSDP / TP / PP inside); after SimpleFSDP's own "
+        "reductions the gradients are averaged across the live groups, and a group that dies is left out while the "
+        "others keep training. A restarted group receives the live weights from a peer (README, fault tolerance)."
+    )
+    replica_id: int = option(0, "This group's index, 0 .. group_size - 1: which rows of each global batch it reads.")
+    group_size: int = option(0, "How many replica groups the job is laid out for (the global batch spans them all).")
+    min_replica_size: int = option(
+        1, "The fewest live groups a step may commit with; with fewer, the groups wait and retry the step."
+    )
+    lighthouse: str = option(
+        "", "Address of the torchft lighthouse, e.g. http://host:29510 (\"\" = $TORCHFT_LIGHTHOUSE). Start one with "
+        "`torchft_lighthouse --min_replicas 1` (scripts/fault_tolerance.py does it for one machine)."
+    )
+    timeout_seconds: float = option(
+        60.0, "How long the cross-group all-reduce, a commit or a weight transfer waits for a peer group before the "
+        "step is abandoned (not committed) and retried with the groups still alive."
+    )
+    quorum_timeout_seconds: float = option(
+        300.0, "How long a group waits for the lighthouse to form a quorum (enough live groups) before it fails."
+    )
+    bucket_cap_mb: float = option(
+        25.0, "The cross-group gradient all-reduce goes in buckets of at most this many MB of gradient shards."
+    )
+    log_shard_hashes: bool = option(
+        False, "After every committed step, write a hash of each rank's parameter and optimizer shards to "
+        "<dump_folder>/replica_<id>/shard_hashes_rank<r>.jsonl: groups that agree write the same lines (a debug aid)."
+    )
+
+
+@dataclass
 class DryRun:
     enable: bool = option(
         False, "Plan instead of train (also: a bare --dry_run): build one rank of world_size on the meta device "
@@ -410,6 +443,7 @@ class JobConfig:
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
+    fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     dry_run: DryRun = field(default_factory=DryRun)
     config_file: str | None = None  # where the TOML came from, for messages
     sources: dict[str, str] = field(default_factory=dict)  # "section.key" -> file or "command line"
@@ -680,6 +714,21 @@ def validate(config: JobConfig) -> None:
     _validate_comm(config)
     _validate_checkpoint(config)
     _validate_validation_and_profiling(config)
+    _validate_fault_tolerance(config)
+
+
+def _validate_fault_tolerance(config: JobConfig) -> None:
+    """The keys on their own; the checks against the layout and the lighthouse live in train/fault_tolerance.py."""
+    ft = config.fault_tolerance
+    if not ft.enable:
+        return
+    _require(ft.group_size >= 1, config, "fault_tolerance", "group_size", "the number of replica groups (>= 1)")
+    _require(0 <= ft.replica_id < ft.group_size, config, "fault_tolerance", "replica_id",
+             f"this group's index, 0 .. group_size - 1 = {ft.group_size - 1}")
+    _require(1 <= ft.min_replica_size <= ft.group_size, config, "fault_tolerance", "min_replica_size",
+             f"1 .. group_size = {ft.group_size}")
+    for key in ("timeout_seconds", "quorum_timeout_seconds", "bucket_cap_mb"):
+        _require(getattr(ft, key) > 0, config, "fault_tolerance", key, "a positive number")
 
 
 def _validate_validation_and_profiling(config: JobConfig) -> None:

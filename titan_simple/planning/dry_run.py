@@ -15,7 +15,9 @@ How it works and how well it predicts published runs: ``docs/dry_run.md``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 from typing import Any
 
@@ -29,6 +31,8 @@ from titan_simple.planning.hardware import DeviceSpec, device_spec
 from titan_simple.planning.rank_trace import trace_rank
 from titan_simple.planning.report import build_report, format_report, group_names
 from titan_simple.train.plan import resolve_plan
+
+logger = logging.getLogger("titan_simple")
 
 _RAN = False
 
@@ -48,6 +52,10 @@ def run_dry_run(config: JobConfig, write: bool = True, spec: DeviceSpec | None =
         ParallelDims.from_config(config, dry_run.world_size)
     except ConfigError as error:
         raise ConfigError(f"[dry_run] world_size = {dry_run.world_size} does not match the degrees: {error}") from None
+    if config.fault_tolerance.enable:  # world_size is one group's; the cross-group all-reduce is not priced
+        logger.warning("dry run: [fault_tolerance] plans one replica group of world_size %d (the cross-group "
+                       "gradient all-reduce, outside the step, is not in the prediction)", dry_run.world_size)
+        config = dataclasses.replace(config, fault_tolerance=dataclasses.replace(config.fault_tolerance, enable=False))
     # The trainer's plan and checks, for the device planned for (it decides the "auto" dtypes).
     run = resolve_plan(config, dry_run.world_size, "cpu" if dry_run.device == "cpu" else "cuda")
     if not 0 <= dry_run.rank < dry_run.world_size:

@@ -328,14 +328,15 @@ class CheckpointManager:
 
     # -------------------------------------------------------------------------------------- save
 
-    def save(self, progress: TrainProgress, *, last: bool = False, force: bool = False) -> None:
+    def save(self, progress: TrainProgress, *, last: bool = False, force: bool = False, write: bool = True) -> None:
         """Save if this step is due (every ``interval`` steps, the last step, or ``force``, e.g. on SIGTERM).
 
-        Call every step on every rank: it also commits a finished asynchronous save.
+        Call every step on every rank: it also commits a finished asynchronous save. ``write=False``: only that
+        (fault tolerance: another replica group writes this step's checkpoint).
         """
         self._commit_if_done()
         checkpoint_config, step = self.config, progress.step
-        if not checkpoint_config.enable or step == self._last_saved_step:
+        if not write or not checkpoint_config.enable or step == self._last_saved_step:
             return
         if not (force or last or step % checkpoint_config.interval == 0):
             return

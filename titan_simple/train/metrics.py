@@ -47,6 +47,7 @@ CUDA_NUM_ALLOC_RETRIES = "memory/num_alloc_retries"
 CUDA_NUM_OOMS = "memory/num_ooms"
 PEAK_RSS_GIB = "memory/peak_rss(GiB)"
 PEAK_RSS_SINCE_START_GIB = "memory/peak_rss_since_start(GiB)"
+LIVE_GROUPS = "fault_tolerance/live_groups"  # replica groups in this step's quorum (fault tolerance)
 VALIDATION_LOSS = "validation_metrics/loss"
 VALIDATION_PERPLEXITY = "validation_metrics/perplexity"
 
@@ -336,6 +337,8 @@ def _format_console_line(
     m = metrics
     if AVG_LOSS in m:
         parts.append(f"loss {m[AVG_LOSS]:.4f}")
+    if LIVE_GROUPS in m:
+        parts.append(f"groups {m[LIVE_GROUPS]:.0f}")
     if GRAD_NORM in m:
         parts.append(f"grad_norm {m[GRAD_NORM]:.3g}")
     if LR in m:

@@ -181,7 +181,10 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     float8 = plan_float8(config.model.converters, config.float8, model_args, device_type, config.dry_run.enable)
     pipeline = plan_pipeline(config, model_args.n_layers, dims.pp) if dims.pp > 1 else None
     training = config.training
-    accumulation = accumulation_steps(training.global_batch_size, training.local_batch_size, dims.dp)
+    # With fault tolerance the global batch spans every replica group: each group's dp ranks read their rows of it.
+    ft = config.fault_tolerance
+    data_ranks = dims.dp * (ft.group_size if ft.enable else 1)
+    accumulation = accumulation_steps(training.global_batch_size, training.local_batch_size, data_ranks)
     gather = choose_gather_mode(config, dims, reasons)
     float8 = plan_float8_parallel(float8, config.float8.all_gather, dims, config.parallelism.fsdp_implementation)
     precision = choose_precision(config, dims, device_type, reasons)
@@ -216,7 +219,7 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     if compile_plan.enabled:
         fingerprint = compile_fingerprint(config, model_args, parallel, loss, pipeline, accumulation, float8)
         parallel = dataclasses.replace(parallel, compile=dataclasses.replace(compile_plan, fingerprint=fingerprint))
-    data = DataOrder(global_rows=training.local_batch_size * dims.dp * accumulation,
+    data = DataOrder(global_rows=training.local_batch_size * data_ranks * accumulation,
                      shuffle_seed=training.seed if training.shuffle else None,
                      cache=data_cache_folder(training.data_cache))
     return RunPlan(

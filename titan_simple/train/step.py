@@ -31,6 +31,7 @@ from titan_simple.parallel.float8_gather import refresh_float8_weights
 from titan_simple.parallel.fsdp2 import gradient_averaging_factor
 from titan_simple.parallel.tensor_parallel import loss_parallel_context
 from titan_simple.train.build import ModelParts
+from titan_simple.train.fault_tolerance import ReplicaGroups
 from titan_simple.train.loss import ModelWithLoss
 from titan_simple.train.plan import RunPlan
 
@@ -59,6 +60,7 @@ class StepResult:
     grad_norm: torch.Tensor  # global, before clipping; the same on every rank
     lr: float  # the learning rate this step used
     applied: bool  # False when the norm was not finite: the optimizer step was skipped
+    committed: bool = True  # False: a peer replica group failed during the step (fault tolerance): retry it
 
     @property
     def local_mean(self) -> torch.Tensor:
@@ -82,6 +84,9 @@ class TrainStep:
         self.hooks = StepHooks()
         self.keep_grad_buffers = False  # True: zero the gradients in place instead of freeing them (measurements)
         self.device = parts.device
+        # Fault tolerance (train/fault_tolerance.py): averages the gradients across the replica groups after the
+        # group's own reductions and decides whether the step commits. None: a plain run, nothing changes.
+        self.replicas: ReplicaGroups | None = None
 
     def loss(self, output: torch.Tensor, labels: torch.Tensor, loss_scale: float) -> torch.Tensor:
         """The scaled training loss of one batch's output. With loss parallel, call it and run its backward
@@ -120,27 +125,34 @@ class TrainStep:
             gather.reduce()
         return self._combine_loss(loss_sum), global_tokens
 
+    def _params_with_gradients(self) -> list[torch.nn.Parameter]:
+        return [p for part in self.parts.modules for p in part.parameters() if p.grad is not None]
+
     def clip_gradients(self) -> torch.Tensor:
-        params = [p for part in self.parts.modules for p in part.parameters() if p.grad is not None]
-        return clip_grad_norm_(params, self.max_norm, pp_group=self._pp_group(), foreach=True)
+        return clip_grad_norm_(self._params_with_gradients(), self.max_norm, pp_group=self._pp_group(), foreach=True)
 
     def __call__(self, batches: list[Batch]) -> StepResult:
         self.hooks.begin()
         loss_sum, global_tokens = self.forward_backward(batches)
         self.hooks.phase("optimizer")
+        if self.replicas is not None:  # clipping sees the gradients averaged over the live replica groups
+            loss_sum = self.replicas.average(self._params_with_gradients(), loss_sum)
         grad_norm = self.clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses, before the schedule advances
         # The norm is global (every rank holds the same value), so all ranks take the same branch; a NaN/Inf
         # loss anywhere makes it non-finite too. The caller decides whether that stops the run.
         applied = bool(torch.isfinite(grad_norm))
-        if applied:
+        # Every replica group agrees the step went through (a collective in the group): else nothing steps.
+        committed = self.replicas.should_commit() if self.replicas is not None else True
+        if applied and committed:
             self.optimizer.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         else:
             self.optimizer.zero_grad()
         result = StepResult(loss_sum=loss_sum, local_tokens=global_tokens // self.dims.dp,
-                            global_tokens=global_tokens, grad_norm=grad_norm, lr=lr, applied=applied)
+                            global_tokens=global_tokens, grad_norm=grad_norm, lr=lr, applied=applied,
+                            committed=committed)
         self.hooks.end(result)
         return result
 

@@ -25,6 +25,13 @@ from titan_simple.train.distributed import (
     read_launch_environment,
     set_timeouts,
 )
+from titan_simple.train.fault_tolerance import (
+    Progress,
+    ReplicaGroups,
+    ReplicaState,
+    check_fault_tolerance,
+    group_folder,
+)
 from titan_simple.train.metrics import (
     MemoryMonitor,
     MetricsLogger,
@@ -56,6 +63,12 @@ class Trainer:
         # Every decision and every check that needs no communication comes before the process group exists.
         self.plan = resolve_plan(config, self.dist.world_size, self.device.type)
         self.dims = self.plan.dims
+        ft = config.fault_tolerance
+        # Fault tolerance: one replica group of several; its lighthouse is checked before anything expensive.
+        self.lighthouse = check_fault_tolerance(config, self.dims) if ft.enable else None
+        # Each group logs into its own folder (its ranks are numbered like every other group's); checkpoints stay
+        # shared in dump_folder: any group restores them.
+        self.log_folder = group_folder(config.job.dump_folder, ft.replica_id) if ft.enable else config.job.dump_folder
         self.gradient_accumulation_steps = self.plan.accumulation_steps
         # Before CUDA starts and before the process group exists: torch reads these variables once.
         for line in [*self.plan.describe(), *prepare_process_environment(config, self.device.type)]:
@@ -79,6 +92,11 @@ class Trainer:
         self._start_up_timeout = True  # until the first step has ended on every rank (train())
         self._validated = False
         self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh, self.dims)
+        # Which rows of each global batch this rank reads: with fault tolerance, group g's ranks read the block the
+        # dp ranks g x dp .. (g + 1) x dp - 1 of the whole job would read.
+        groups = ft.group_size if ft.enable else 1
+        data_rank, data_ranks = ft.replica_id * self.dp_size + self.dp_rank if ft.enable else self.dp_rank, \
+            self.dp_size * groups
 
         self.dataloader = build_dataloader(
             dataset=training.dataset,
@@ -86,8 +104,8 @@ class Trainer:
             tokenizer=self.tokenizer,
             seq_len=training.seq_len,
             local_batch_size=training.local_batch_size,
-            dp_rank=self.dp_rank,
-            dp_world_size=self.dp_size,
+            dp_rank=data_rank,
+            dp_world_size=data_ranks,
             # The layout-invariant order: global sample ids (data/sample_index.py).
             global_rows=self.plan.data.global_rows,
             shuffle_seed=self.plan.data.shuffle_seed,
@@ -102,7 +120,7 @@ class Trainer:
         self.lr_scheduler = lr_scheduler_from_config(config, self.optimizer)
         self.step_fn = build_train_step(self.parts, self.plan, self.optimizer, self.lr_scheduler)
         self.metrics = MetricsLogger(
-            config.job.dump_folder, rank=self.dist.rank, enable_tensorboard=config.metrics.enable_tensorboard,
+            self.log_folder, rank=self.dist.rank, enable_tensorboard=config.metrics.enable_tensorboard,
             save_tb_folder=config.metrics.save_tb_folder,
             # float8 matmuls run at twice bf16's peak; MFU counts the model's FLOPs against bf16's (plan line too)
             mfu_note=" (float8 run, of the bf16 peak)" if self.plan.float8 is not None else "",
@@ -112,12 +130,12 @@ class Trainer:
             self.plan, tokenizer=self.tokenizer, dp_rank=self.dp_rank, dp_size=self.dp_size, device=self.device,
             model=self.model, pipeline=self.pipeline,
         ) if self.plan.validation is not None else None
-        self.profiler = Profiler(config.profiling, config.job.dump_folder, rank=self.dist.rank, device=self.device)
+        self.profiler = Profiler(config.profiling, self.log_folder, rank=self.dist.rank, device=self.device)
         self.peak_flops = peak_flops_per_second(self.device)
         self.step = 0
         self.losses: list[float] = []  # global average loss of every step, for tests and summaries
         self._stop_signal = 0  # the first SIGINT / SIGTERM this rank received, 0 if none
-        self.run_status = RunStatus(config.job.dump_folder, rank=self.dist.rank, steps=training.steps)
+        self.run_status = RunStatus(self.log_folder, rank=self.dist.rank, steps=training.steps)
         self._log_summary()
         self.tokens_seen = 0
         self.checkpoint = CheckpointManager(
@@ -128,6 +146,13 @@ class Trainer:
         resumed = self.checkpoint.load()  # model, optimizer, schedule, data position, RNG: all built by now
         if resumed is not None:
             self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
+        self.replicas: ReplicaGroups | None = None
+        if ft.enable:  # after the checkpoint: the groups compare steps, and one that is behind heals from a peer
+            params = [p for part in self.model_parts for p in part.parameters()]
+            state = ReplicaState(params, self.optimizer, self.lr_scheduler, self._ft_progress)
+            self.replicas = ReplicaGroups(config, state=state, rank=self.dist.rank, world_size=self.dist.world_size,
+                                          device=self.device, lighthouse=self.lighthouse, dump_folder=self.log_folder)
+            self.step_fn.replicas = self.replicas
 
     def _log_summary(self) -> None:
         stages = ("" if self.pipeline is None else
@@ -141,7 +166,7 @@ class Trainer:
         """One step (``self.step_fn``); a non-finite gradient norm stops the run or, with
         ``skip_nonfinite_steps``, skips the update with a warning."""
         result = self.step_fn(batches)
-        if not result.applied:
+        if not result.applied and result.committed:
             self._handle_nonfinite(float(result.grad_norm))
         return result
 
@@ -197,6 +222,20 @@ class Trainer:
     def _progress(self) -> TrainProgress:
         return TrainProgress(step=self.step, tokens_seen=self.tokens_seen)
 
+    def _ft_progress(self) -> Progress:
+        return Progress(step=self.step, tokens_seen=self.tokens_seen, consumed_samples=self.dataloader.dataset.consumed)
+
+    def _join_replica_quorum(self, data_iter: Any) -> Any:
+        """Fault tolerance: this step's quorum of live groups. A group that was behind has just received a peer's
+        weights, optimizer state and schedule; it takes the peer's progress and data position too."""
+        assert self.replicas is not None
+        healed = self.replicas.start_step(self.step)
+        if healed is None:
+            return data_iter
+        self.step, self.tokens_seen = healed.step, healed.tokens_seen
+        self.dataloader.dataset.resume_at(healed.consumed_samples)
+        return iter(self.dataloader)
+
     def train(self) -> list[float]:
         steps, log_freq = self.config.training.steps, self.config.metrics.log_freq
         if self.config.checkpoint.create_seed_checkpoint:
@@ -212,11 +251,21 @@ class Trainer:
         stop_signal = None
         try:
             while self.step < steps:
+                if self.replicas is not None:
+                    data_iter = self._join_replica_quorum(data_iter)
+                    if self.step >= steps:  # healed from a group that had finished
+                        break
+                consumed_before = self.dataloader.dataset.consumed
                 self.step += 1
                 with timer.data_loading():
                     batches = [next(data_iter) for _ in range(self.gradient_accumulation_steps)]
                 with self.profiler.dump_on_oom(self.step):
                     result = self.train_step(batches)
+                if not result.committed:  # a peer group failed mid-step: retry the step, on the same rows
+                    self.step -= 1
+                    self.dataloader.dataset.resume_at(consumed_before)
+                    data_iter = iter(self.dataloader)
+                    continue
                 if self.step == resumed_at + 1 and self.plan.compile.enabled:  # every graph is compiled by now
                     compiled = [*self.model_parts, getattr(self.step_fn, "model_with_loss", None)]
                     logger.info(describe_compile_cache(comm_plan_recorders(compiled)))
@@ -224,7 +273,8 @@ class Trainer:
                 timer.step_done(result.global_tokens // self.dist.world_size)
                 avg_loss, max_loss = global_avg_and_max(result.local_mean)
                 self.losses.append(avg_loss)
-                self.tokens_seen += result.global_tokens
+                live_groups = self.replicas.live_groups if self.replicas is not None else 1
+                self.tokens_seen += result.global_tokens * live_groups
                 if self.step == 1 or self.step % log_freq == 0 or self.step == steps:
                     metrics = {
                         "loss_metrics/global_avg_loss": avg_loss,
@@ -233,6 +283,7 @@ class Trainer:
                         "lr": result.lr,
                         **timer.window_metrics(self.flops_per_token, self.peak_flops),
                         **self.memory.read(),
+                        **(self.replicas.metrics() if self.replicas is not None else {}),
                     }
                     self.metrics.log(self.step, metrics, total_steps=steps,
                                      eta_seconds=timer.eta_seconds(steps))
@@ -241,13 +292,18 @@ class Trainer:
                 if self.validator is not None and self.validator.due(self.step, steps):
                     with timer.excluded():  # not part of the training throughput
                         self.metrics.log(self.step, self._validate(), total_steps=steps)
-                self.checkpoint.save(self._progress(), last=self.step == steps)
+                if self.replicas is not None:
+                    self.replicas.step_done(self.step)
+                # With fault tolerance one group writes the shared checkpoints (the first in the quorum).
+                writes = self.replicas is None or self.replicas.writes_checkpoints()
+                self.checkpoint.save(self._progress(), last=self.step == steps, write=writes)
                 stop_signal = self._stop_signal_of_any_rank()
                 if self._start_up_timeout:  # every rank got past this step's all-reduce: none is still compiling
                     set_timeouts(self.process_groups, self.config.comm.train_timeout_seconds)
                     self._start_up_timeout = False
                 if stop_signal is not None:
-                    self.checkpoint.save(self._progress(), force=True)  # nothing to do if this step just saved
+                    # nothing to do if this step just saved
+                    self.checkpoint.save(self._progress(), force=True, write=writes)
                     logger.warning("stopped at step %d of %d on request", self.step, steps)
                     break
             self.checkpoint.close()  # a background save still running
@@ -259,5 +315,7 @@ class Trainer:
                 signal.signal(s, handler)
             self.profiler.stop()
             self.metrics.close()
+            if self.replicas is not None:
+                self.replicas.shutdown()
         self._write_end_status(stop_signal)
         return self.losses

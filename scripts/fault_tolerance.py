@@ -1,0 +1,225 @@
+"""Run a fault-tolerant job on one machine: a torchft lighthouse and N replica groups, each its own torchrun.
+
+    python scripts/fault_tolerance.py --groups 2 --nproc 2 -- --config llama3_debug.toml
+
+Everything after ``--`` goes to every group's ``train.py``; the launcher adds the ``[fault_tolerance]`` keys
+(enable, group_size, replica_id, lighthouse) and ``--job.dump_folder``. Each group logs to
+``<dump>/replica_<g>/`` (its console output in ``launch_<attempt>.log``); checkpoints are shared in ``<dump>``.
+
+``--restart K`` relaunches a group that died, up to K times; it rejoins by receiving the live weights from a
+peer. ``--kill G:STEP:WHEN`` rehearses a failure: group G's next launch stops at STEP (``between``: after it
+committed STEP, before the next step; ``allreduce``: inside the cross-group all-reduce of the next step, after
+its first bucket) and the launcher SIGKILLs its whole process tree there. Repeat it for several failures; each
+launch of G takes the next one. The events (launches, kills, exits) go to ``<dump>/launcher_events.json``.
+
+On a cluster the lighthouse runs once (``torchft_lighthouse --min_replicas 1 --bind [::]:29510``) and every group
+is one torchrun (or one slurm job step) with ``--fault_tolerance.replica_id`` set; see the README.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+FAILURE_ENV = "TITAN_SIMPLE_FT_FAIL"  # read by titan_simple/train/fault_tolerance.py
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(port: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return True
+        except OSError:
+            time.sleep(0.1)
+    return False
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants (torchrun starts its workers in sessions of their own, so killing
+    torchrun's process group would leave them running)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    tree, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        tree.append(current)
+        pending.extend(children.get(current, []))
+    return tree
+
+
+def kill_tree(pid: int) -> None:
+    for member in process_tree(pid):
+        try:
+            os.kill(member, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def lighthouse_binary() -> str:
+    """``torchft_lighthouse`` next to this Python (the venv's bin), else on PATH."""
+    beside = Path(sys.executable).parent / "torchft_lighthouse"
+    found = str(beside) if beside.exists() else shutil.which("torchft_lighthouse")
+    if found is None:
+        sys.exit("error: torchft_lighthouse not found: install the ft extra (scripts/setup.sh does) or pass "
+                 "--lighthouse ADDRESS of a running one.")
+    return found
+
+
+@dataclass
+class Group:
+    index: int
+    kills: list[tuple[int, str]]  # (step, when) for its successive launches
+    process: subprocess.Popen | None = None
+    attempt: int = 0
+    restarts_left: int = 0
+    failure: tuple[int, str] | None = None  # the failure this launch was told to stop at
+    exit_codes: list[int] = field(default_factory=list)
+
+
+class Launcher:
+    def __init__(self, args: argparse.Namespace, train_args: list[str]) -> None:
+        self.args, self.train_args = args, train_args
+        self.dump = Path(args.dump_folder).resolve()
+        self.started = time.monotonic()
+        self.events: list[dict] = []
+        kills: dict[int, list[tuple[int, str]]] = {g: [] for g in range(args.groups)}
+        for spec in args.kill:
+            group, step, when = spec.split(":")
+            if int(group) not in kills or when not in ("between", "allreduce"):
+                sys.exit(f"error: --kill {spec}: expected GROUP:STEP:between|allreduce with GROUP < {args.groups}")
+            kills[int(group)].append((int(step), when))
+        self.groups = [Group(g, kills[g], restarts_left=args.restart) for g in range(args.groups)]
+        self.lighthouse_process: subprocess.Popen | None = None
+
+    def event(self, kind: str, **details: object) -> None:
+        entry = {"t": round(time.monotonic() - self.started, 3), "event": kind, **details}
+        self.events.append(entry)
+        print(f"[launcher {entry['t']:8.2f}s] {kind} " + " ".join(f"{k}={v}" for k, v in details.items()),
+              flush=True)
+
+    def start_lighthouse(self) -> str:
+        if self.args.lighthouse:
+            return self.args.lighthouse
+        port = self.args.lighthouse_port or free_port()
+        log = open(self.dump / "lighthouse.log", "a")  # noqa: SIM115 -- lives as long as the lighthouse
+        self.lighthouse_process = subprocess.Popen(
+            [lighthouse_binary(), "--min_replicas", str(self.args.min_replicas), "--bind", f"[::]:{port}",
+             "--join_timeout_ms", str(self.args.join_timeout_ms),
+             "--heartbeat_timeout_ms", str(self.args.heartbeat_timeout_ms)],
+            stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
+        if not wait_for_port(port, 30):
+            sys.exit(f"error: the lighthouse did not start on port {port}; see {self.dump / 'lighthouse.log'}")
+        self.event("lighthouse", port=port)
+        return f"http://127.0.0.1:{port}"
+
+    def launch(self, group: Group, lighthouse: str) -> None:
+        folder = self.dump / f"replica_{group.index}"
+        folder.mkdir(parents=True, exist_ok=True)
+        for marker in folder.glob("failure_point.rank*"):
+            marker.unlink()
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        env.pop(FAILURE_ENV, None)
+        group.failure = group.kills[group.attempt] if group.attempt < len(group.kills) else None
+        if group.failure is not None:
+            env[FAILURE_ENV] = f"{group.failure[1]}:{group.failure[0]}"
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={self.args.nproc}",
+                   "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO / "train.py"),
+                   *self.train_args, "--job.dump_folder", str(self.dump), "--fault_tolerance.enable",
+                   "--fault_tolerance.group_size", str(self.args.groups), "--fault_tolerance.replica_id",
+                   str(group.index), "--fault_tolerance.lighthouse", lighthouse]
+        log = open(folder / f"launch_{group.attempt}.log", "w")  # noqa: SIM115 -- closed with the process
+        group.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        self.event("launch", group=group.index, attempt=group.attempt,
+                   failure=env.get(FAILURE_ENV, ""))
+
+    def kill_if_paused(self, group: Group) -> None:
+        """SIGKILL the group's process tree once every rank stopped at its failure point."""
+        if group.failure is None or group.process is None or group.process.poll() is not None:
+            return
+        folder = self.dump / f"replica_{group.index}"
+        if len(list(folder.glob("failure_point.rank*"))) < self.args.nproc:
+            return
+        kill_tree(group.process.pid)
+        group.process.wait()
+        self.event("killed", group=group.index, at=f"{group.failure[1]}:{group.failure[0]}")
+
+    def run(self) -> int:
+        self.dump.mkdir(parents=True, exist_ok=True)
+        lighthouse = self.start_lighthouse()
+        for group in self.groups:
+            self.launch(group, lighthouse)
+        try:
+            while any(g.process is not None for g in self.groups):
+                for group in self.groups:
+                    self.kill_if_paused(group)
+                    if group.process is None or (code := group.process.poll()) is None:
+                        continue
+                    group.exit_codes.append(code)
+                    group.process = None
+                    self.event("exit", group=group.index, attempt=group.attempt, code=code)
+                    group.attempt += 1
+                    if code != 0 and group.restarts_left > 0:
+                        group.restarts_left -= 1
+                        self.launch(group, lighthouse)
+                time.sleep(0.05)
+        finally:
+            for group in self.groups:
+                if group.process is not None:
+                    kill_tree(group.process.pid)
+            if self.lighthouse_process is not None:
+                self.lighthouse_process.terminate()
+                self.lighthouse_process.wait()
+            (self.dump / "launcher_events.json").write_text(json.dumps(self.events, indent=1) + "\n")
+        failed = [g.index for g in self.groups if g.exit_codes[-1:] != [0]]
+        return 1 if failed else 0
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--groups", type=int, default=2, help="replica groups ([fault_tolerance] group_size)")
+    parser.add_argument("--nproc", type=int, default=2, help="processes per group (torchrun --nproc_per_node)")
+    parser.add_argument("--dump-folder", default="outputs/fault_tolerance", help="the job's [job] dump_folder")
+    parser.add_argument("--restart", type=int, default=0, help="relaunch a dead group up to this many times")
+    parser.add_argument("--kill", action="append", default=[], metavar="G:STEP:WHEN",
+                        help="rehearse a failure of group G at STEP (between | allreduce); repeatable")
+    parser.add_argument("--lighthouse", default="", help="use this running lighthouse instead of starting one")
+    parser.add_argument("--lighthouse-port", type=int, default=0, help="port of the lighthouse started (0: free)")
+    parser.add_argument("--min-replicas", type=int, default=1,
+                        help="groups the lighthouse needs for a quorum (the job's first quorum waits for them)")
+    parser.add_argument("--join-timeout-ms", type=int, default=60000,
+                        help="how long a quorum waits for heartbeating groups that have not asked to join yet")
+    parser.add_argument("--heartbeat-timeout-ms", type=int, default=5000,
+                        help="silence after which the lighthouse counts a group as dead")
+    if "--" in argv:
+        split = argv.index("--")
+        return parser.parse_args(argv[:split]), argv[split + 1:]
+    return parser.parse_args(argv), []
+
+
+if __name__ == "__main__":
+    arguments, train_arguments = parse_args(sys.argv[1:])
+    sys.exit(Launcher(arguments, train_arguments).run())

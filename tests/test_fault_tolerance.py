@@ -1,0 +1,274 @@
+"""Fault-tolerant replica groups (titan_simple/train/fault_tolerance.py, scripts/fault_tolerance.py).
+
+The slow cases run the real thing: a torchft lighthouse and two replica groups of two torchrun processes each
+(debug model, gloo), with failures rehearsed by scripts/fault_tolerance.py --kill (a group stops at a step and
+is SIGKILLed there, process tree and all) and restarts. They check the survivors' steps, the uncommitted steps,
+the shard hashes of both groups after every rejoin, and the losses against a plain 4-process fully_shard run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from tests.distributed_utils import free_port, single_rank_process_group
+from tests.parity import COMPILED_RTOL, EAGER_RTOL, SHARDED_NORM_RTOL, max_rel_diff
+from titan_simple.config import load_job_config
+from titan_simple.errors import ConfigError
+from titan_simple.parallel.dims import ParallelDims
+from titan_simple.parallel.simple_fsdp import data_parallel
+from titan_simple.train.fault_tolerance import (
+    FAILURE_ENV,
+    FailureInjection,
+    Progress,
+    ReplicaState,
+    _buckets,
+    check_fault_tolerance,
+    check_reachable,
+)
+from titan_simple.train.metrics import LIVE_GROUPS, _format_console_line
+from titan_simple.train.plan import resolve_plan
+
+REPO = Path(__file__).resolve().parent.parent
+TORCHRUN_ENV = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+# A constant rate after a 2-step warmup: runs of different lengths follow the same schedule step by step.
+TINY = ["--config", "llama3_debug.toml", "--training.seq_len", "64", "--training.local_batch_size", "2",
+        "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0", "--metrics.log_freq", "1",
+        "--training.mixed_precision_param", "float32", "--metrics.enable_tensorboard", "false"]
+FT = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--fault_tolerance.lighthouse",
+      "http://127.0.0.1:1"]
+
+
+def ft_config(*extra: str):
+    return load_job_config([*TINY, *FT, *extra])
+
+
+# ------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("extra, key", [
+    (["--fault_tolerance.replica_id", "2"], "replica_id = 2 is impossible; expected this group's index, 0 .. "),
+    (["--fault_tolerance.min_replica_size", "3"], "min_replica_size = 3 is impossible"),
+    (["--fault_tolerance.group_size", "0"], "group_size = 0 is impossible"),
+])
+def test_impossible_keys_are_one_line(extra, key):
+    with pytest.raises(ConfigError, match=key) as error:
+        ft_config(*extra)
+    assert "\n" not in str(error.value)
+
+
+def test_hybrid_shard_is_refused_in_one_line():
+    config = ft_config("--parallelism.data_parallel_replicate_degree", "2")
+    with pytest.raises(ConfigError, match="hybrid_shard.*cannot lose a member") as error:
+        check_fault_tolerance(config, ParallelDims.from_config(config, 4), environ=TORCHRUN_ENV)
+    assert "\n" not in str(error.value)
+
+
+def test_an_unreachable_lighthouse_is_one_line_before_anything_starts():
+    port = free_port()  # nothing listens there
+    config = ft_config("--fault_tolerance.lighthouse", f"http://127.0.0.1:{port}")
+    with pytest.raises(ConfigError, match=f"lighthouse http://127.0.0.1:{port} cannot be reached.*start it first"):
+        check_fault_tolerance(config, ParallelDims.from_config(config, 2), environ=TORCHRUN_ENV)
+    with pytest.raises(ConfigError, match="is not an address like"):
+        check_reachable("http://no-port-here")
+
+
+def test_a_missing_lighthouse_or_torchrun_is_one_line(monkeypatch):
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    config = ft_config("--fault_tolerance.lighthouse", "")
+    dims = ParallelDims.from_config(config, 2)
+    with pytest.raises(ConfigError, match="needs a lighthouse: set \\[fault_tolerance\\] lighthouse"):
+        check_fault_tolerance(config, dims, environ=TORCHRUN_ENV)
+    with pytest.raises(ConfigError, match="needs torchrun"):
+        check_fault_tolerance(config, dims, environ={})
+
+
+def test_a_missing_torchft_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft raises ImportError
+    config = ft_config()
+    with pytest.raises(ConfigError, match=r"needs torchft: pip install -e '\.\[ft\]'"):
+        check_fault_tolerance(config, ParallelDims.from_config(config, 2), environ=TORCHRUN_ENV)
+
+
+def test_a_bad_failure_setting_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv(FAILURE_ENV, "sometime:3")
+    with pytest.raises(ConfigError, match="expected between:STEP or allreduce:STEP"):
+        FailureInjection.from_environment(str(tmp_path), 0)
+
+
+# ------------------------------------------------------------------------------------------ pieces
+
+
+def test_the_global_batch_spans_every_group():
+    config = ft_config("--training.global_batch_size", "16")  # 2 groups x 2 dp ranks x 2 rows x 2 microbatches
+    plan = resolve_plan(config, 2, "cpu")
+    assert plan.accumulation_steps == 2 and plan.data.global_rows == 16
+    plain = resolve_plan(load_job_config([*TINY, "--training.global_batch_size", "16"]), 2, "cpu")
+    assert plain.accumulation_steps == 4 and plain.data.global_rows == 16
+
+
+def test_buckets_keep_order_split_by_size_and_dtype():
+    tensors = [torch.zeros(10), torch.zeros(10), torch.zeros(30), torch.zeros(5, dtype=torch.bfloat16),
+               torch.zeros(5)]
+    sizes = [[t.numel() for t in b] for b in _buckets(tensors, cap_bytes=80)]
+    assert sizes == [[10, 10], [30], [5], [5]]
+
+
+def test_the_step_line_shows_the_live_groups():
+    line = _format_console_line(3, {"loss_metrics/global_avg_loss": 5.0, LIVE_GROUPS: 1.0}, 10, None)
+    assert "loss 5.0000 | groups 1" in line
+
+
+def _sharded_model_and_optimizer(seed: int):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+    model = data_parallel(model, init_device_mesh("cpu", (1,)), "fully_shard")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 ** step)
+    return model, optimizer, scheduler
+
+
+def _train_step(model, optimizer, scheduler, seed: int) -> None:
+    torch.manual_seed(seed)
+    model(torch.randn(4, 6)).square().sum().backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+
+
+def test_a_fresh_group_heals_into_exactly_the_live_state():
+    """The heal path a restarted group takes: its optimizer has no state yet (AdamW creates it lazily), so the
+    received shards become DTensors sharded like their parameters; afterwards both step bitwise alike."""
+    with single_rank_process_group():
+        live = _sharded_model_and_optimizer(seed=0)
+        for step in range(3):
+            _train_step(*live, seed=step)
+        fresh = _sharded_model_and_optimizer(seed=1)  # other weights, no optimizer state, schedule at 0
+        progress = Progress(step=3, tokens_seen=96, consumed_samples=12)
+        sent = ReplicaState(list(live[0].parameters()), live[1], live[2], lambda: progress)
+        received = ReplicaState(list(fresh[0].parameters()), fresh[1], fresh[2], lambda: Progress(0, 0, 0))
+        assert received.digests() != sent.digests()
+        assert received.load_state_dict(sent.state_dict()) == progress
+        assert received.digests() == sent.digests()
+        assert fresh[1].param_groups[0]["lr"] == live[1].param_groups[0]["lr"] == 0.1 * 0.5 ** 3
+        _train_step(*live, seed=7)
+        _train_step(*fresh, seed=7)
+        assert received.digests() == sent.digests()
+        for a, b in zip(live[0].parameters(), fresh[0].parameters(), strict=True):
+            assert torch.equal(a.to_local(), b.to_local())
+
+
+# ------------------------------------------------------------------------------------------ real runs
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def launch(dump: Path, steps: int, *extra: str, kills: tuple[str, ...] = (), restart: int = 0,
+           env: dict[str, str] | None = None, timeout: int = 900) -> list[dict]:
+    """scripts/fault_tolerance.py with two groups of two processes; returns the launcher's events."""
+    command = [sys.executable, str(REPO / "scripts" / "fault_tolerance.py"), "--groups", "2", "--nproc", "2",
+               "--dump-folder", str(dump), "--restart", str(restart), "--heartbeat-timeout-ms", "2000",
+               *[f"--kill={k}" for k in kills], "--", *TINY, "--training.steps", str(steps),
+               "--fault_tolerance.log_shard_hashes", "--fault_tolerance.timeout_seconds", "30",
+               "--fault_tolerance.bucket_cap_mb", "0.5", *extra]  # several buckets: a kill can fall between two
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    logs = "".join(p.read_text()[-3000:] for p in sorted(dump.glob("replica_*/launch_*.log")))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:] + logs
+    return json.loads((dump / "launcher_events.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def plain_four_processes(tmp_path_factory) -> list[dict]:
+    """The reference: SimpleFSDP fully_shard on 4 processes, the same global batch (4 x 2 rows), eager."""
+    dump = tmp_path_factory.mktemp("plain4")
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone",
+               str(REPO / "train.py"), *TINY, "--training.steps", "8", "--job.dump_folder", str(dump)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_jsonl(dump / "metrics.jsonl")
+
+
+def hashes(dump: Path, group: int, rank: int) -> dict[int, tuple[str, str]]:
+    """The last hash line of every step (a group that healed may log a step number twice: keep the latest)."""
+    lines = read_jsonl(dump / f"replica_{group}" / f"shard_hashes_rank{rank}.jsonl")
+    return {line["step"]: (line["params"], line["optimizer"]) for line in lines}
+
+
+def check_failures(dump: Path, events: list[dict], steps: int, kills: tuple[str, ...]) -> list[dict]:
+    """What every failure run must show; returns the survivor's metrics."""
+    launches = [(e["group"], e["attempt"]) for e in events if e["event"] == "launch"]
+    assert launches.count((0, 0)) == 1 and all(g == 1 for g, a in launches if a > 0)  # group 0 never restarted
+    assert len([e for e in events if e["event"] == "killed"]) == len(kills)
+    survivor = read_jsonl(dump / "replica_0" / "metrics.jsonl")
+    # Every step logged once, in order: no step lost, none repeated (a retried step logs once, when it commits).
+    assert [m["step"] for m in survivor] == list(range(1, steps + 1))
+    restarted = read_jsonl(dump / "replica_1" / "metrics.jsonl")
+    assert restarted[-1]["step"] == steps
+    for rank in (0, 1):
+        survivor_hashes, rejoined = hashes(dump, 0, rank), hashes(dump, 1, rank)
+        after_rejoin = [s for s in rejoined if s > int(kills[0].split(":")[1])]
+        assert len(after_rejoin) >= 3
+        # After each rejoin, both groups' parameter and optimizer shards are bitwise equal at every step.
+        assert all(rejoined[s] == survivor_hashes[s] for s in after_rejoin), rank
+    return survivor
+
+
+@pytest.mark.slow
+def test_a_killed_group_rejoins_bitwise_and_the_survivor_loses_no_step(tmp_path, plain_four_processes):
+    """Group 1 is SIGKILLed between steps (after step 6), restarted, then SIGKILLed inside its cross-group
+    all-reduce (at step 14 or, if it rejoined later, its first step) and restarted again; group 0 runs throughout.
+    The run is long enough for the restarts (~10 s each here) to rejoin before the survivor finishes."""
+    steps, kills = 40, ("1:6:between", "1:14:allreduce")
+    events = launch(tmp_path, steps, kills=kills, restart=2)
+    survivor = check_failures(tmp_path, events, steps, kills)
+    uncommitted = {m["step"]: m["fault_tolerance/uncommitted_steps"] for m in survivor}
+    live = {m["step"]: m[LIVE_GROUPS] for m in survivor}
+    # Killed between steps: the survivor goes on alone with no step uncommitted ...
+    assert live[7] == 1 and uncommitted[7] == 0
+    # ... killed mid-all-reduce: at most the step in flight is not committed (then retried on the same rows).
+    assert uncommitted[steps] <= 1
+    assert min(live[s] for s in range(15, steps + 1)) == 1
+    # With both groups live (steps 1..6): the plain 4-process run's losses, within fp32 rounding.
+    reference = plain_four_processes[:6]
+    assert all(m[LIVE_GROUPS] == 2 for m in survivor[:6])
+    loss = "loss_metrics/global_avg_loss"
+    assert max_rel_diff([m[loss] for m in survivor[:6]], [m[loss] for m in reference]) <= EAGER_RTOL
+    assert max_rel_diff([m["grad_norm"] for m in survivor[:6]], [m["grad_norm"] for m in reference]) \
+        <= SHARDED_NORM_RTOL
+
+
+@pytest.mark.slow
+def test_compiled_groups_match_the_plain_run_and_rejoin_bitwise(tmp_path, plain_four_processes):
+    """The same with Inductor: the compiled graphs of the restarted group come from the shared compile cache."""
+    steps, kills = 30, ("1:6:allreduce",)
+    cache = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+    events = launch(tmp_path, steps, "--compile.enable", "--compile.cache_dir", str(tmp_path / "compile_cache"),
+                    kills=kills, restart=1, env=cache)
+    survivor = check_failures(tmp_path, events, steps, kills)
+    assert survivor[-1]["fault_tolerance/uncommitted_steps"] <= 1
+    loss = "loss_metrics/global_avg_loss"
+    assert all(m[LIVE_GROUPS] == 2 for m in survivor[:6])
+    assert max_rel_diff([m[loss] for m in survivor[:6]], [m[loss] for m in plain_four_processes[:6]]) \
+        <= COMPILED_RTOL
+
+
+def test_fault_tolerance_off_builds_no_replica_groups(tmp_path):
+    """The default job's step never reaches torchft: no manager, the plain step (losses bitwise as before)."""
+    from titan_simple.train.trainer import Trainer
+
+    config = load_job_config([*TINY, "--training.steps", "1", "--job.dump_folder", str(tmp_path)])
+    trainer = Trainer(config)
+    assert trainer.replicas is None and trainer.step_fn.replicas is None
+    assert trainer.log_folder == str(tmp_path)

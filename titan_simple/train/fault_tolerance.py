@@ -1,0 +1,352 @@
+"""Fault-tolerant replica groups on torchft: a job that keeps training when a group of ranks dies.
+
+The data-parallel world is ``[fault_tolerance] group_size`` replica groups. Each group is its own torchrun job
+with the same config (SimpleFSDP, TP, PP inside, exactly as without fault tolerance) and its own
+``replica_id``; torchft's lighthouse (one process for the whole job) forms a quorum of the live groups every
+step, and torchft's ``Manager`` joins them:
+
+    start_step()        quorum with the live groups (sync): a group that is behind receives this rank's
+                        shards, the optimizer state, the schedule and the progress from a live peer first
+    forward / backward  inside the group, compiled or eager, SimpleFSDP's own reduce-scatter / all-reduce
+    average()           the group's gradient shards (and the loss) averaged across the live groups: rank r of
+                        every group all-reduces with rank r of the others, in buckets, outside the compiled graph
+    should_commit()     every group agrees the step went through; only then the optimizer and schedule step
+
+A group that dies mid-step makes the others' all-reduce fail: that step is not committed and is retried (the
+same rows) with the groups still alive. A dead group's rows of the global batch are skipped, not re-read: the
+global batch order stays the one the configured world would read (``data/sample_index.py``), the survivors read
+their own rows and the dead group's rows of those steps are never seen. The quorum is synchronous (torchft's
+``use_async_quorum=False``), so a healing group has its new state before its forward and takes part in that
+step; the price is one lighthouse round trip per step before the forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from titan_simple.errors import ConfigError
+from titan_simple.train.metrics import LIVE_GROUPS
+
+logger = logging.getLogger("titan_simple")
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+# Testing hook: "between:N" pauses every rank of this group once it has committed step N or later, before the next
+# quorum; "allreduce:N" inside the next step's cross-group all-reduce, after its first bucket. A paused rank writes
+# <group folder>/failure_point.rank<r> and waits to be killed (scripts/fault_tolerance.py --kill-group does it).
+FAILURE_ENV = "TITAN_SIMPLE_FT_FAIL"
+
+
+@dataclass
+class Progress:
+    """What the trainer counts besides the stateful objects; a healing group takes it from its peer."""
+
+    step: int
+    tokens_seen: int
+    consumed_samples: int
+
+
+def group_folder(dump_folder: str, replica_id: int) -> str:
+    """Where a group writes its metrics, TensorBoard and status (checkpoints stay shared in dump_folder)."""
+    return os.path.join(dump_folder, f"replica_{replica_id}")
+
+
+def lighthouse_address(config: Any) -> str:
+    """``[fault_tolerance] lighthouse`` or ``$TORCHFT_LIGHTHOUSE``; one line if neither is set."""
+    address = config.fault_tolerance.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")
+    if not address:
+        raise ConfigError(f"[fault_tolerance] enable needs a lighthouse: set [fault_tolerance] lighthouse (e.g. "
+                          f"http://host:29510) or {LIGHTHOUSE_ENV}, after starting `torchft_lighthouse "
+                          "--min_replicas 1` on one machine.")
+    return address if "://" in address else f"http://{address}"
+
+
+def check_fault_tolerance(config: Any, dims: Any, environ: dict[str, str] | None = None) -> str:
+    """The layout and environment checks (one line each, before anything expensive); returns the lighthouse
+    address. ``dims``: the ParallelDims of one group."""
+    environ = dict(os.environ) if environ is None else environ
+    if dims.dp_replicate > 1 and dims.dp_shard > 1:
+        raise ConfigError(
+            "[fault_tolerance] enable with hybrid_shard (data_parallel_replicate_degree = "
+            f"{dims.dp_replicate} x data_parallel_shard_degree = {dims.dp_shard}): the replicate dimension cannot "
+            "lose a member. Make each replica group one fully_shard group (data_parallel_replicate_degree = 1) and "
+            "let the replica groups replicate: as many groups as replicas."
+        )
+    # torchft's Rust side logs every quorum and commit at INFO; its level is read once, when torchft loads.
+    os.environ.setdefault("RUST_LOG", "warn")
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        raise ConfigError("[fault_tolerance] enable needs torchft: pip install -e '.[ft]' (scripts/setup.sh "
+                          "installs it).") from None
+    if "MASTER_ADDR" not in environ or "MASTER_PORT" not in environ:
+        raise ConfigError("[fault_tolerance] enable needs torchrun (torchft keeps its group state in torchrun's "
+                          "store): run each replica group as torchrun --nproc_per_node=N train.py ..., even for N = 1.")
+    address = lighthouse_address(config)
+    check_reachable(address)
+    return address
+
+
+def check_reachable(address: str, timeout_seconds: float = 5.0) -> None:
+    """One line if nothing listens at the lighthouse address."""
+    parts = urlsplit(address)
+    try:
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        host, port = None, None
+    if not host or not port:
+        raise ConfigError(f"[fault_tolerance] lighthouse {address!r} is not an address like http://host:29510.")
+    try:
+        socket.create_connection((host, port), timeout=timeout_seconds).close()
+    except OSError as error:
+        raise ConfigError(
+            f"[fault_tolerance] lighthouse {address} cannot be reached ({error.strerror or error}); start it "
+            "first (torchft_lighthouse --min_replicas 1 --bind [::]:29510, or scripts/fault_tolerance.py) or fix "
+            "[fault_tolerance] lighthouse."
+        ) from None
+
+
+# ------------------------------------------------------------------------------------------- state
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class ReplicaState:
+    """What a healing group receives from a live one, rank by rank: this rank's shards of the parameters and of
+    the optimizer state, the optimizer's hyperparameters (the LR the schedule set), the schedule and the
+    progress. Shards travel as plain local tensors (the layouts are the same in every group)."""
+
+    def __init__(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, lr_scheduler: Any,
+                 progress: Callable[[], Progress]) -> None:
+        self.params, self.optimizer, self.lr_scheduler, self.progress = params, optimizer, lr_scheduler, progress
+
+    def state_dict(self) -> dict[str, Any]:
+        with torch.no_grad():
+            optimizer_state = [
+                {key: (_local(value), isinstance(value, DTensor)) for key, value in self.optimizer.state[p].items()}
+                for p in self.params
+            ]
+            return {
+                "params": [_local(p) for p in self.params],
+                "optimizer": optimizer_state,
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+                "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+                "progress": dict(vars(self.progress())),
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> Progress:
+        with torch.no_grad():
+            for p, shard in zip(self.params, state["params"], strict=True):
+                _local(p).copy_(shard)
+            for p, entries in zip(self.params, state["optimizer"], strict=True):
+                mine = self.optimizer.state[p]
+                for key, (shard, distributed) in entries.items():
+                    if key in mine:
+                        _local(mine[key]).copy_(shard)
+                    elif distributed:  # a fresh optimizer has no state yet: shard it like its parameter
+                        mine[key] = DTensor.from_local(shard.to(p.device).clone(), p.device_mesh, p.placements,
+                                                       run_check=False, shape=p.shape, stride=p.stride())
+                    else:
+                        mine[key] = shard.clone()
+            for group, saved in zip(self.optimizer.param_groups, state["param_groups"], strict=True):
+                group.update(saved)
+        if self.lr_scheduler is not None and state["lr_scheduler"] is not None:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        return Progress(**state["progress"])
+
+    def digests(self) -> dict[str, str]:
+        """A hash of this rank's parameter shards and one of its optimizer shards (``log_shard_hashes``)."""
+        params, optimizer = hashlib.sha256(), hashlib.sha256()
+        for p in self.params:
+            params.update(_tensor_bytes(_local(p.detach())))
+            for key in sorted(self.optimizer.state[p]):
+                value = self.optimizer.state[p][key]
+                if isinstance(value, torch.Tensor):
+                    optimizer.update(_tensor_bytes(_local(value)))
+        return {"params": params.hexdigest(), "optimizer": optimizer.hexdigest()}
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> bytes:
+    flat = tensor.detach().contiguous().cpu().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+
+
+# ------------------------------------------------------------------------------------------- groups
+
+
+def _buckets(tensors: list[torch.Tensor], cap_bytes: int) -> Iterator[list[torch.Tensor]]:
+    """Consecutive tensors of one dtype, at most ``cap_bytes`` per bucket (a larger tensor goes alone)."""
+    bucket: list[torch.Tensor] = []
+    size = 0
+    for tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and (size + nbytes > cap_bytes or tensor.dtype != bucket[0].dtype):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(tensor)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+class ReplicaGroups:
+    """This rank's view of the replica groups: torchft's Manager over a reconfigurable process group that links
+    rank r of every live group. Build it after the checkpoint is loaded (``progress`` is where the run is)."""
+
+    def __init__(self, config: Any, *, state: ReplicaState, rank: int, world_size: int, device: torch.device,
+                 lighthouse: str, dump_folder: str) -> None:
+        from torchft import Manager
+        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+
+        ft = config.fault_tolerance
+        for name in ("torchft", "torchft_quorums", "torchft_commits"):  # torchft logs every step at INFO
+            logging.getLogger(name).setLevel(logging.WARNING)
+        if device.type != "cuda":  # every new quorum warns that NCCL's flight recorder (absent here) was not reset
+            logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
+        self.group_size, self.replica_id, self.rank = ft.group_size, ft.replica_id, rank
+        self.bucket_cap_bytes = int(ft.bucket_cap_mb * 2**20)
+        self.state = state
+        self.healed: Progress | None = None
+        self.committed_steps = 0  # before the step in flight
+        self.uncommitted_steps = 0  # steps abandoned because a peer group failed during them, since start-up
+        self.first_quorum = True
+        self.quorum_timeout_seconds = ft.quorum_timeout_seconds
+        self.live_groups = 0
+        self.quorum_seconds = 0.0  # of the last start_step: a stall waiting for a quorum, or a heal, shows here
+        self.allreduce_seconds = 0.0  # of the last average()
+        timeout = timedelta(seconds=ft.timeout_seconds)
+        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        self.manager = Manager(
+            pg=pg, load_state_dict=self._load, state_dict=state.state_dict, min_replica_size=ft.min_replica_size,
+            use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds),
+            rank=rank, world_size=world_size, lighthouse_addr=lighthouse, replica_id=f"titan_simple_{ft.replica_id}",
+            # Every group initializes the same weights from the same seed (or loads the same checkpoint): nothing
+            # to send at step 0. A group that is behind still heals from a peer.
+            init_sync=False,
+        )
+        progress = state.progress()
+        self.manager.load_state_dict({"step": progress.step, "batches_committed": progress.step * ft.group_size})
+        self.failure = FailureInjection.from_environment(dump_folder, rank)
+        self.hash_file = (Path(dump_folder) / f"shard_hashes_rank{rank}.jsonl") if ft.log_shard_hashes else None
+
+    def _load(self, state: dict[str, Any]) -> None:
+        started = time.perf_counter()
+        self.healed = self.state.load_state_dict(state)
+        logger.warning("fault tolerance: healed from a live group: now at step %d (applied in %.2f s)",
+                       self.healed.step, time.perf_counter() - started)
+
+    def start_step(self, step: int) -> Progress | None:
+        """Join this step's quorum (before the forward); returns the progress received if this group healed."""
+        self.failure.maybe_pause("between", step)
+        self.healed = None
+        self.committed_steps = step
+        started = time.perf_counter()
+        self.manager.start_quorum()
+        if self.first_quorum:
+            # A job's first quorum waits for every group: the lighthouse only waits for groups it already hears, so
+            # the first group up would otherwise take a step alone (the others then heal from it). Not after a
+            # heal: a restarted group joins whoever is live.
+            self.first_quorum = False
+            while (self.healed is None and self.manager.num_participants() < self.group_size
+                   and time.perf_counter() - started < self.quorum_timeout_seconds):
+                time.sleep(0.2)
+                self.manager.start_quorum()
+        live = self.manager.num_participants()
+        self.quorum_seconds = time.perf_counter() - started
+        if live != self.live_groups:
+            at = self.healed.step if self.healed is not None else step
+            logger.warning("fault tolerance: %d of %d replica groups live (step %d, quorum took %.2f s)", live,
+                           self.group_size, at + 1, self.quorum_seconds)
+        self.live_groups = live
+        return self.healed
+
+    def average(self, params: list[torch.nn.Parameter], loss_sum: torch.Tensor) -> torch.Tensor:
+        """Average this rank's gradient shards and its loss across the live groups, in place, bucketed; returns
+        the averaged loss. A failure leaves them corrupt: ``should_commit`` then says no."""
+        started = time.perf_counter()
+        tensors = [_local(p.grad) for p in params if p.grad is not None] + [loss_sum.reshape(1)]
+        pending = []
+        for index, bucket in enumerate(_buckets(tensors, self.bucket_cap_bytes)):
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            pending.append((self.manager.allreduce(flat), flat, bucket))
+            if index == 0:
+                self.failure.maybe_pause("allreduce", self.committed_steps)
+        for work, flat, bucket in pending:
+            work.wait()
+            offset = 0
+            for tensor in bucket:
+                tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
+        self.allreduce_seconds = time.perf_counter() - started
+        return tensors[-1].reshape(())
+
+    def should_commit(self) -> bool:
+        """Whether every rank of this group and the quorum's groups completed the step (collective in the
+        group); the optimizer steps only then. A step that is not committed is retried."""
+        committed = self.manager.should_commit()
+        if not committed:
+            self.uncommitted_steps += 1
+            logger.warning("fault tolerance: step not committed (a peer group failed: %s); retrying it",
+                           self.manager.errored())
+        return committed
+
+    def writes_checkpoints(self) -> bool:
+        """One group writes the shared checkpoints: the first in the current quorum."""
+        return self.manager.participating_rank() == 0
+
+    def step_done(self, step: int) -> None:
+        if self.hash_file is not None:
+            with open(self.hash_file, "a") as f:
+                f.write(json.dumps({"step": step, **self.state.digests()}) + "\n")
+
+    def metrics(self) -> dict[str, float]:
+        return {LIVE_GROUPS: float(self.live_groups),
+                "fault_tolerance/quorum_seconds": self.quorum_seconds,
+                "fault_tolerance/allreduce_seconds": self.allreduce_seconds,
+                "fault_tolerance/uncommitted_steps": float(self.uncommitted_steps)}
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+@dataclass
+class FailureInjection:
+    """``TITAN_SIMPLE_FT_FAIL`` (see above): where this group stops to be killed; ``when`` "" = never."""
+
+    when: str = ""
+    step: int = -1
+    marker: Path | None = None
+
+    @classmethod
+    def from_environment(cls, dump_folder: str, rank: int) -> FailureInjection:
+        setting = os.environ.get(FAILURE_ENV, "")
+        if not setting:
+            return cls()
+        when, _, step = setting.partition(":")
+        if when not in ("between", "allreduce") or not step.isdigit():
+            raise ConfigError(f"{FAILURE_ENV}={setting!r}: expected between:STEP or allreduce:STEP")
+        return cls(when, int(step), Path(dump_folder) / f"failure_point.rank{rank}")
+
+    def maybe_pause(self, when: str, committed_step: int) -> None:
+        if when != self.when or committed_step < self.step or self.marker is None:
+            return
+        self.marker.parent.mkdir(parents=True, exist_ok=True)
+        self.marker.write_text(f"{when}:{committed_step}\n")
+        logger.warning("fault tolerance: %s=%s: waiting to be killed", FAILURE_ENV, f"{when}:{committed_step}")
+        time.sleep(600)
+        os._exit(1)  # nobody killed us: fail like a dead group would
