@@ -10,7 +10,9 @@ Everything after ``--`` goes to every group's ``train.py``; the launcher adds th
 peer. ``--kill G:STEP:WHEN`` rehearses a failure: group G's next launch stops at STEP (``between``: after it
 committed STEP, before the next step; ``allreduce``: inside the cross-group all-reduce of the next step, after
 its first bucket) and the launcher SIGKILLs its whole process tree there. Repeat it for several failures; each
-launch of G takes the next one. The events (launches, kills, exits) go to ``<dump>/launcher_events.json``.
+launch of G takes the next one. ``--hold G:STEP`` makes group G wait from STEP on until every group is live, so
+that in a short rehearsal the restarted group rejoins before the others finish. The events (launches, kills,
+first steps, exits) go to ``<dump>/launcher_events.json``.
 
 On a cluster the lighthouse runs once (``torchft_lighthouse --min_replicas 1 --bind [::]:29510``) and every group
 is one torchrun (or one slurm job step) with ``--fault_tolerance.replica_id`` set; see the README.
@@ -92,10 +94,13 @@ def lighthouse_binary() -> str:
 class Group:
     index: int
     kills: list[tuple[int, str]]  # (step, when) for its successive launches
+    hold: int | None = None  # --hold: from this step on, the group steps only with every group live
     process: subprocess.Popen | None = None
     attempt: int = 0
     restarts_left: int = 0
     failure: tuple[int, str] | None = None  # the failure this launch was told to stop at
+    lines_at_launch: int = 0  # metrics.jsonl lines before this launch: the next one is its first step
+    first_step_seen: bool = False
     exit_codes: list[int] = field(default_factory=list)
 
 
@@ -111,7 +116,13 @@ class Launcher:
             if int(group) not in kills or when not in ("between", "allreduce"):
                 sys.exit(f"error: --kill {spec}: expected GROUP:STEP:between|allreduce with GROUP < {args.groups}")
             kills[int(group)].append((int(step), when))
-        self.groups = [Group(g, kills[g], restarts_left=args.restart) for g in range(args.groups)]
+        holds: dict[int, int] = {}
+        for spec in args.hold:
+            group, _, step = spec.partition(":")
+            if not group.isdigit() or int(group) >= args.groups or not step.isdigit():
+                sys.exit(f"error: --hold {spec}: expected GROUP:STEP with GROUP < {args.groups}")
+            holds[int(group)] = int(step)
+        self.groups = [Group(g, kills[g], holds.get(g), restarts_left=args.restart) for g in range(args.groups)]
         self.lighthouse_process: subprocess.Popen | None = None
 
     def event(self, kind: str, **details: object) -> None:
@@ -143,8 +154,12 @@ class Launcher:
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         env.pop(FAILURE_ENV, None)
         group.failure = group.kills[group.attempt] if group.attempt < len(group.kills) else None
-        if group.failure is not None:
-            env[FAILURE_ENV] = f"{group.failure[1]}:{group.failure[0]}"
+        group.lines_at_launch, group.first_step_seen = len(self.metrics_lines(group)), False
+        directives = [f"{group.failure[1]}:{group.failure[0]}"] if group.failure is not None else []
+        if group.hold is not None:
+            directives.append(f"hold:{group.hold}")
+        if directives:
+            env[FAILURE_ENV] = ",".join(directives)
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={self.args.nproc}",
                    "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO / "train.py"),
                    *self.train_args, "--job.dump_folder", str(self.dump), "--fault_tolerance.enable",
@@ -154,6 +169,23 @@ class Launcher:
         group.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         self.event("launch", group=group.index, attempt=group.attempt,
                    failure=env.get(FAILURE_ENV, ""))
+
+    def metrics_lines(self, group: Group) -> list[str]:
+        path = self.dump / f"replica_{group.index}" / "metrics.jsonl"
+        return path.read_text().splitlines() if path.exists() else []
+
+    def note_first_step(self, group: Group) -> None:
+        """An event when a launch logs its first step (how long a restarted group took to rejoin)."""
+        if group.first_step_seen or group.process is None:
+            return
+        lines = self.metrics_lines(group)
+        if len(lines) > group.lines_at_launch:
+            group.first_step_seen = True
+            try:
+                step = json.loads(lines[group.lines_at_launch])["step"]
+            except (ValueError, KeyError):
+                step = None
+            self.event("first_step", group=group.index, attempt=group.attempt, step=step)
 
     def kill_if_paused(self, group: Group) -> None:
         """SIGKILL the group's process tree once every rank stopped at its failure point."""
@@ -174,6 +206,7 @@ class Launcher:
         try:
             while any(g.process is not None for g in self.groups):
                 for group in self.groups:
+                    self.note_first_step(group)
                     self.kill_if_paused(group)
                     if group.process is None or (code := group.process.poll()) is None:
                         continue
@@ -206,6 +239,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--restart", type=int, default=0, help="relaunch a dead group up to this many times")
     parser.add_argument("--kill", action="append", default=[], metavar="G:STEP:WHEN",
                         help="rehearse a failure of group G at STEP (between | allreduce); repeatable")
+    parser.add_argument("--hold", action="append", default=[], metavar="G:STEP",
+                        help="from STEP on, group G steps only with every group live (so that a restarted group "
+                             "rejoins before a short rehearsal ends)")
     parser.add_argument("--lighthouse", default="", help="use this running lighthouse instead of starting one")
     parser.add_argument("--lighthouse-port", type=int, default=0, help="port of the lighthouse started (0: free)")
     parser.add_argument("--min-replicas", type=int, default=1,

@@ -29,7 +29,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -44,9 +44,11 @@ from titan_simple.train.metrics import LIVE_GROUPS
 logger = logging.getLogger("titan_simple")
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-# Testing hook: "between:N" pauses every rank of this group once it has committed step N or later, before the next
-# quorum; "allreduce:N" inside the next step's cross-group all-reduce, after its first bucket. A paused rank writes
-# <group folder>/failure_point.rank<r> and waits to be killed (scripts/fault_tolerance.py --kill-group does it).
+# Rehearsals (scripts/fault_tolerance.py sets it): "between:N" pauses every rank of this group once it has committed
+# step N or later, before the next quorum; "allreduce:N" inside the next step's cross-group all-reduce, after its
+# first bucket. A paused rank writes <group folder>/failure_point.rank<r> and waits to be killed (the launcher's
+# --kill). "hold:N": from step N on, this group steps only with every group live (the launcher's --hold: a restarted
+# group rejoins before a short run ends).
 FAILURE_ENV = "TITAN_SIMPLE_FT_FAIL"
 
 
@@ -257,11 +259,12 @@ class ReplicaGroups:
         self.committed_steps = step
         started = time.perf_counter()
         self.manager.start_quorum()
-        if self.first_quorum:
-            # A job's first quorum waits for every group: the lighthouse only waits for groups it already hears, so
-            # the first group up would otherwise take a step alone (the others then heal from it). Not after a
-            # heal: a restarted group joins whoever is live.
-            self.first_quorum = False
+        # A job's first quorum waits for every group: the lighthouse only waits for groups it already hears, so the
+        # first group up would otherwise take a step alone (the others then heal from it). Not after a heal: a
+        # restarted group joins whoever is live.
+        wait_for_all = (self.first_quorum and self.healed is None) or self.failure.due("hold", step)
+        self.first_quorum = False
+        if wait_for_all:
             while (self.healed is None and self.manager.num_participants() < self.group_size
                    and time.perf_counter() - started < self.quorum_timeout_seconds):
                 time.sleep(0.2)
@@ -326,24 +329,29 @@ class ReplicaGroups:
 
 @dataclass
 class FailureInjection:
-    """``TITAN_SIMPLE_FT_FAIL`` (see above): where this group stops to be killed; ``when`` "" = never."""
+    """``TITAN_SIMPLE_FT_FAIL`` (see above), comma-separated ``WHEN:STEP`` directives: where this group stops to be
+    killed, and from which step it holds for every group (``hold``)."""
 
-    when: str = ""
-    step: int = -1
+    steps: dict[str, int] = field(default_factory=dict)
     marker: Path | None = None
 
     @classmethod
     def from_environment(cls, dump_folder: str, rank: int) -> FailureInjection:
         setting = os.environ.get(FAILURE_ENV, "")
-        if not setting:
-            return cls()
-        when, _, step = setting.partition(":")
-        if when not in ("between", "allreduce") or not step.isdigit():
-            raise ConfigError(f"{FAILURE_ENV}={setting!r}: expected between:STEP or allreduce:STEP")
-        return cls(when, int(step), Path(dump_folder) / f"failure_point.rank{rank}")
+        steps: dict[str, int] = {}
+        for directive in filter(None, setting.split(",")):
+            when, _, step = directive.partition(":")
+            if when not in ("between", "allreduce", "hold") or not step.isdigit():
+                raise ConfigError(f"{FAILURE_ENV}={setting!r}: expected between:STEP, allreduce:STEP or hold:STEP, "
+                                  "comma-separated")
+            steps[when] = int(step)
+        return cls(steps, Path(dump_folder) / f"failure_point.rank{rank}")
+
+    def due(self, when: str, committed_step: int) -> bool:
+        return when in self.steps and committed_step >= self.steps[when]
 
     def maybe_pause(self, when: str, committed_step: int) -> None:
-        if when != self.when or committed_step < self.step or self.marker is None:
+        if not self.due(when, committed_step) or self.marker is None:
             return
         self.marker.parent.mkdir(parents=True, exist_ok=True)
         self.marker.write_text(f"{when}:{committed_step}\n")
