@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -41,19 +42,28 @@ def common_args(steps: int) -> list[str]:
 
 
 def run_plain(dump: Path, steps: int, *extra: str) -> list[dict]:
+    shutil.rmtree(dump, ignore_errors=True)  # metrics.jsonl is appended to: start from an empty folder
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone",
                str(REPO / "train.py"), *common_args(steps), "--job.dump_folder", str(dump), *extra]
     subprocess.run(command, check=True, cwd=REPO, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return read_jsonl(dump / "metrics.jsonl")
 
 
-def run_groups(dump: Path, steps: int, kills: list[str]) -> tuple[list[dict], list[dict], list[dict]]:
+def run_groups(dump: Path, steps: int, kills: list[str], *extra: str) -> tuple[list[dict], list[dict], list, list]:
+    shutil.rmtree(dump, ignore_errors=True)
+    # The lighthouse gives up on a silent group after 2 s (torchft's default: 5 s): a restart here takes ~7 s, so
+    # with 5 s the survivors would often wait for the restarted group instead of going on alone.
     command = [sys.executable, str(REPO / "scripts" / "fault_tolerance.py"), "--groups", "2", "--nproc", "2",
-               "--dump-folder", str(dump), "--restart", str(len(kills)), *[f"--kill={k}" for k in kills], "--",
-               *common_args(steps)]
+               "--dump-folder", str(dump), "--restart", str(len(kills)), "--heartbeat-timeout-ms", "2000",
+               *[f"--kill={k}" for k in kills], "--", *common_args(steps), *extra]
     subprocess.run(command, check=True, cwd=REPO, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    events = json.loads((dump / "launcher_events.json").read_text())
-    return read_jsonl(dump / "replica_0" / "metrics.jsonl"), read_jsonl(dump / "replica_1" / "metrics.jsonl"), events
+    return read_failure_run(dump)
+
+
+def read_failure_run(dump: Path) -> tuple[list[dict], list[dict], list, dict]:
+    return (read_jsonl(dump / "replica_0" / "metrics.jsonl"), read_jsonl(dump / "replica_1" / "metrics.jsonl"),
+            json.loads((dump / "launcher_events.json").read_text()),
+            json.loads((dump / "launcher_steps.json").read_text()))
 
 
 def steady(metrics: list[dict], key: str = STEP_S, skip: int = 5) -> float:
@@ -61,20 +71,26 @@ def steady(metrics: list[dict], key: str = STEP_S, skip: int = 5) -> float:
     return statistics.median(m[key] for m in metrics[skip:])
 
 
-def failure_numbers(survivor: list[dict], rejoined: list[dict], events: list[dict], typical_step: float) -> dict:
-    """Per failure: the survivor's first step alone (its wall time includes waiting for the lighthouse to drop the
-    dead group and, killed mid-all-reduce, the failed attempt), and how long the restarted group took to rejoin."""
+def failure_numbers(survivor: list[dict], rejoined: list[dict], events: list[dict], step_times: dict,
+                    typical_step: float) -> dict:
+    """Per failure of group 1, which had committed step c: the survivor's stall (how much longer than a typical
+    step its step c + 1 took to appear after step c: waiting for the lighthouse to give up on the dead group and,
+    killed mid-all-reduce, the failed attempt), and how long the restarted group took from the kill to its first
+    step (start-up, quorum, the transfer of the live state, one step)."""
     kills = [e for e in events if e["event"] == "killed"]
     first_steps = [e for e in events if e["event"] == "first_step" and e["group"] == 1 and e["attempt"] > 0]
-    alone_starts = [m for i, m in enumerate(survivor) if m[LIVE] == 1 and (i == 0 or survivor[i - 1][LIVE] == 2)]
     out = {"survivor_steps": [m["step"] for m in survivor] == list(range(1, len(survivor) + 1)),
            "survivor_uncommitted": survivor[-1]["fault_tolerance/uncommitted_steps"], "failures": []}
-    for kill, first, after in zip(kills, first_steps, alone_starts, strict=False):
+    by_step = {m["step"]: m for m in survivor}
+    survivor_at = {step: t for t, step in step_times["0"]}
+    for kill, first in zip(kills, first_steps, strict=True):
+        committed = max(step for t, step in step_times["1"] if t <= kill["t"])
         healed = next(m for m in rejoined if m["step"] == first["step"])
         out["failures"].append({
             "at": kill["at"],
-            "survivor_stall_s": round(after[STEP_S] - typical_step, 2),
-            "survivor_quorum_s": round(after["fault_tolerance/quorum_seconds"], 2),
+            "committed": committed,
+            "survivor_stall_s": round(survivor_at[committed + 1] - survivor_at[committed] - typical_step, 1),
+            "live_groups_then": by_step[committed + 1][LIVE],
             "restart_to_first_step_s": round(first["t"] - kill["t"], 1),
             "heal_quorum_s": round(healed["fault_tolerance/quorum_seconds"], 2),
             "rejoined_at_step": first["step"],
@@ -98,11 +114,12 @@ def table(results: dict) -> str:
               f"the forward), cross-group all-reduce {ft['allreduce_s'] * 1000:.0f} ms (bucketed, after the group's "
               "reduce-scatter), plus the commit's round trip.", ""]
     failure = results["failures"]
-    lines += ["| failure of group 1 | survivor's stall (s) | survivor's quorum wait (s) | restart to rejoined step (s) "
-              "| heal transfer + quorum (s) | rejoined at step |", "|---|---|---|---|---|---|"]
+    lines += ["| failure of group 1 | survivor's stall (s) | its next step, live groups | kill to rejoined step (s) "
+              "| heal: quorum + transfer (s) | rejoined at step |", "|---|---|---|---|---|---|"]
     for f in failure["failures"]:
-        lines.append(f"| {f['at']} | {f['survivor_stall_s']:.2f} | {f['survivor_quorum_s']:.2f} | "
-                     f"{f['restart_to_first_step_s']:.1f} | {f['heal_quorum_s']:.2f} | {f['rejoined_at_step']} |")
+        lines.append(f"| {f['at']} (committed {f['committed']}) | {f['survivor_stall_s']:.1f} | "
+                     f"{f['committed'] + 1}, {f['live_groups_then']:.0f} | {f['restart_to_first_step_s']:.1f} | "
+                     f"{f['heal_quorum_s']:.2f} | {f['rejoined_at_step']} |")
     lines += ["", f"The survivor logged every step 1..{results['steps']} once: {failure['survivor_steps']}; steps it "
               f"did not commit (retried on the same rows): {failure['survivor_uncommitted']:.0f}."]
     return "\n".join(lines)
@@ -113,8 +130,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--out", default=str(REPO / "docs" / "fault_tolerance.md"))
     parser.add_argument("--dump", default=str(REPO / "outputs" / "benchmark_fault_tolerance"))
+    parser.add_argument("--recompute", action="store_true",
+                        help="no runs: recompute the failure numbers and the table from the last results and logs")
     args = parser.parse_args()
     dump = Path(args.dump)
+    if args.recompute:
+        results = json.loads((dump / "results.json").read_text())
+        results["failures"] = failure_numbers(*read_failure_run(dump / "failures"), results["groups"]["step_s"])
+        write(results, dump, Path(args.out))
+        return
     results: dict = {"steps": args.steps}
     for name, extra in (("hsdp", ["--parallelism.data_parallel_replicate_degree", "2",
                                   "--parallelism.data_parallel_shard_degree", "2"]), ("fully_shard", [])):
@@ -122,18 +146,23 @@ def main() -> None:
         results[name] = {"step_s": steady(metrics), "tps": steady(metrics, "throughput(tps)"),
                          "final_loss": metrics[-1]["loss_metrics/global_avg_loss"]}
         print(name, results[name], flush=True)
-    group0, _, _ = run_groups(dump / "groups", args.steps, [])
+    group0, _, _, _ = run_groups(dump / "groups", args.steps, [])
     results["groups"] = {"step_s": steady(group0), "tps": steady(group0, "throughput(tps)"),
                          "quorum_s": steady(group0, "fault_tolerance/quorum_seconds"),
                          "allreduce_s": steady(group0, "fault_tolerance/allreduce_seconds"),
                          "final_loss": group0[-1]["loss_metrics/global_avg_loss"]}
     print("groups", results["groups"], flush=True)
-    survivor, rejoined, events = run_groups(dump / "failures", args.steps, ["1:10:between", "1:30:allreduce"])
-    results["failures"] = failure_numbers(survivor, rejoined, events, results["groups"]["step_s"])
+    # 1 MB buckets: the all-reduce kill falls between two buckets (one bucket of 25 MB would have been sent whole).
+    survivor, rejoined, events, times = run_groups(dump / "failures", args.steps, ["1:10:between", "1:30:allreduce"],
+                                                   "--fault_tolerance.bucket_cap_mb", "1")
+    results["failures"] = failure_numbers(survivor, rejoined, events, times, results["groups"]["step_s"])
     results["failure_events"] = events
     print("failures", results["failures"], flush=True)
+    write(results, dump, Path(args.out))
+
+
+def write(results: dict, dump: Path, out: Path) -> None:
     (dump / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    out = Path(args.out)
     text = out.read_text()
     start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
     out.write_text(text[:start] + "\n" + table(results) + "\n" + text[end:])

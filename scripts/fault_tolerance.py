@@ -101,6 +101,8 @@ class Group:
     failure: tuple[int, str] | None = None  # the failure this launch was told to stop at
     lines_at_launch: int = 0  # metrics.jsonl lines before this launch: the next one is its first step
     first_step_seen: bool = False
+    lines_seen: int = 0
+    step_times: list[tuple[float, int]] = field(default_factory=list)  # (seconds since start, step) as logged
     exit_codes: list[int] = field(default_factory=list)
 
 
@@ -155,6 +157,7 @@ class Launcher:
         env.pop(FAILURE_ENV, None)
         group.failure = group.kills[group.attempt] if group.attempt < len(group.kills) else None
         group.lines_at_launch, group.first_step_seen = len(self.metrics_lines(group)), False
+        group.lines_seen = group.lines_at_launch
         directives = [f"{group.failure[1]}:{group.failure[0]}"] if group.failure is not None else []
         if group.hold is not None:
             directives.append(f"hold:{group.hold}")
@@ -174,12 +177,20 @@ class Launcher:
         path = self.dump / f"replica_{group.index}" / "metrics.jsonl"
         return path.read_text().splitlines() if path.exists() else []
 
-    def note_first_step(self, group: Group) -> None:
-        """An event when a launch logs its first step (how long a restarted group took to rejoin)."""
-        if group.first_step_seen or group.process is None:
+    def note_steps(self, group: Group) -> None:
+        """When each step of the group appeared in its metrics (to 50 ms), and an event when a launch logs its first
+        step (how long a restarted group took to rejoin)."""
+        if group.process is None:
             return
         lines = self.metrics_lines(group)
-        if len(lines) > group.lines_at_launch:
+        now = round(time.monotonic() - self.started, 3)
+        for line in lines[group.lines_seen:]:
+            try:
+                group.step_times.append((now, json.loads(line)["step"]))
+            except (ValueError, KeyError):
+                pass
+        group.lines_seen = len(lines)
+        if not group.first_step_seen and len(lines) > group.lines_at_launch:
             group.first_step_seen = True
             try:
                 step = json.loads(lines[group.lines_at_launch])["step"]
@@ -206,11 +217,12 @@ class Launcher:
         try:
             while any(g.process is not None for g in self.groups):
                 for group in self.groups:
-                    self.note_first_step(group)
+                    self.note_steps(group)
                     self.kill_if_paused(group)
                     if group.process is None or (code := group.process.poll()) is None:
                         continue
                     group.exit_codes.append(code)
+                    self.note_steps(group)  # the lines written just before it exited
                     group.process = None
                     self.event("exit", group=group.index, attempt=group.attempt, code=code)
                     group.attempt += 1
@@ -226,6 +238,8 @@ class Launcher:
                 self.lighthouse_process.terminate()
                 self.lighthouse_process.wait()
             (self.dump / "launcher_events.json").write_text(json.dumps(self.events, indent=1) + "\n")
+            steps = {g.index: g.step_times for g in self.groups}
+            (self.dump / "launcher_steps.json").write_text(json.dumps(steps) + "\n")
         failed = [g.index for g in self.groups if g.exit_codes[-1:] != [0]]
         return 1 if failed else 0
 
