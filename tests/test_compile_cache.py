@@ -91,8 +91,10 @@ def test_the_cache_folder_is_the_configured_one_unless_the_environment_names_one
 
 # ------------------------------------------------------------------------------ end to end, 2 processes
 
-RUN = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-       "--training.mixed_precision_param", "float32", "--compile.enable", "--lr_scheduler.warmup_steps", "1"]
+# Two blocks: every block compiles to the same kernels, and the graphs' compile time grows with depth.
+RUN = ["--model.n_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
+       "--metrics.log_freq", "1", "--training.mixed_precision_param", "float32", "--compile.enable",
+       "--lr_scheduler.warmup_steps", "1"]
 # A torch warning of a rank: "[rank0]:W1125 ..." (torch's logging) or "...: UserWarning: ..." (Python's). The
 # launcher's own banner (torch/distributed/run.py: "Setting OMP_NUM_THREADS ...") is not a rank's.
 TORCH_WARNING = re.compile(r"^\[rank\d+\]:[WE]\d{4}|Warning:|warnings\.warn")
