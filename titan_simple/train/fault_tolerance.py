@@ -220,7 +220,7 @@ class ReplicaGroups:
             logging.getLogger(name).setLevel(logging.WARNING)
         if device.type != "cuda":  # every new quorum warns that NCCL's flight recorder (absent here) was not reset
             logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
-        self.group_size, self.replica_id, self.rank = ft.group_size, ft.replica_id, rank
+        self.group_size = ft.group_size
         self.bucket_cap_bytes = int(ft.bucket_cap_mb * 2**20)
         self.state = state
         self.healed: Progress | None = None

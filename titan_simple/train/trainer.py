@@ -94,9 +94,8 @@ class Trainer:
         self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh, self.dims)
         # Which rows of each global batch this rank reads: with fault tolerance, group g's ranks read the block the
         # dp ranks g x dp .. (g + 1) x dp - 1 of the whole job would read.
-        groups = ft.group_size if ft.enable else 1
-        data_rank, data_ranks = ft.replica_id * self.dp_size + self.dp_rank if ft.enable else self.dp_rank, \
-            self.dp_size * groups
+        data_rank = self.dp_rank + (ft.replica_id * self.dp_size if ft.enable else 0)
+        data_ranks = self.dp_size * (ft.group_size if ft.enable else 1)
 
         self.dataloader = build_dataloader(
             dataset=training.dataset,
