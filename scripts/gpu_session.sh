@@ -4,6 +4,7 @@
 #   bash scripts/gpu_session.sh OUT_DIR          # the single-GPU session: about 2 minutes on one H200
 #   bash scripts/gpu_session.sh OUT_DIR float8   # the float8 session (issue 31): about 3 minutes
 #   bash scripts/gpu_session.sh OUT_DIR float8_speed   # its phase 2 alone
+#   bash scripts/gpu_session.sh OUT_DIR planner  # issue 33: 7 one-GPU layouts of the speed job (AC, batch, regional)
 #
 # The single-GPU session. Phase 1 (jobs side by side, each under its own time limit; only correctness is read from them):
 #   gpu_check      scripts/gpu_check.py on the visible GPU (compile vs eager in bf16, memory, MFU, DCP, trace)
@@ -60,6 +61,22 @@ speed() {  # speed NAME SECONDS OPTIONS...: one timed job alone on the GPU
       >"$LOGS/$name.log" 2>&1
   echo "exit $?" >>"$LOGS/$name.log"
 }
+
+if [ "$SESSION" = planner ]; then  # issue 33: does the dry run rank one GPU's layouts as the GPU does?
+  echo "planner: $(date +%T)"
+  speed speed_sel_lbs1 80
+  speed speed_none_lbs1 80 --activation_checkpoint.mode=none
+  speed speed_full_lbs1 80 --activation_checkpoint.mode=full
+  speed speed_sel_lbs2 80 --training.local_batch_size=2
+  speed speed_full_lbs2 80 --activation_checkpoint.mode=full --training.local_batch_size=2
+  speed speed_none_lbs2 80 --activation_checkpoint.mode=none --training.local_batch_size=2
+  speed speed_sel_lbs1_regional 80 --compile.regional
+  echo "done: $(date +%T)"
+  mkdir -p "$OUT_DIR"
+  "${PYTHON:-python3}" scripts/gpu_session_summary.py "$LOGS" | tee "$OUT_DIR/summary.txt"
+  tar -czf "$OUT_DIR/logs.tar.gz" --exclude=compile_cache --exclude=checkpoint -C "$LOGS" .
+  exit 0
+fi
 
 if [ "$SESSION" = float8 ] || [ "$SESSION" = float8_speed ]; then
   echo "phase 1: $(date +%T)"
