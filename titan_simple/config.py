@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import sys
 import types
 import typing
@@ -428,6 +429,29 @@ class DryRun:
     collective_bandwidth: float = option(
         0.0, "device = cpu only: the measured gloo all-gather bandwidth in bytes/s (0 = a nominal 1 GB/s)."
     )
+    search: bool = option(
+        False, "Rank the layouts of this model on world_size devices instead of planning one: every valid mix of "
+        "the parallel degrees, HSDP, local batch, pipeline schedule and microbatch, SimpleFSDP gathering, "
+        "activation checkpointing (and float8 with search_float8), at this config's global batch; prints the "
+        "fastest that fit and writes every candidate to search.json (docs/dry_run.md, 'Layout search')."
+    )
+    search_top: int = option(15, "Rows of the search's table (the fastest layouts that fit).")
+    search_fix: list[str] = option(
+        [], "Pin knobs of the search, as section.key=value, e.g. ['parallelism.tensor_parallel_degree=8'] (or "
+        "comma-separated on the command line)."
+    )
+    search_batch: bool = option(
+        False, "Let the search halve or double the global batch too (default: held at this config's)."
+    )
+    search_float8: bool = option(
+        False, "Search float8 linears on and off (h100 / h200); default: as [model] converters says."
+    )
+    search_workers: int = option(2, "Processes pricing layouts in parallel.")
+    gpus_per_node: int = option(8, "GPUs per node of the planned cluster: tensor parallel stays inside a node.")
+    full_trace: bool = option(
+        False, "Trace every transformer block instead of 2 and 3 blocks per pipeline stage carried to the full "
+        "depth (the same numbers to float rounding, several times slower; planning/depth.py)."
+    )
 
 
 @dataclass
@@ -473,6 +497,7 @@ def _section_type(name: str) -> type:
     return typing.get_type_hints(JobConfig)[name]
 
 
+@functools.cache
 def _field_types(section_cls: type) -> dict[str, Any]:
     return typing.get_type_hints(section_cls)
 

@@ -8,7 +8,7 @@ degrees are checked exactly as for training and the device mesh is built. Then, 
 * ``rank_trace.trace_rank``: this rank's model parts by the real recipe on the meta device, and one traced
   training step (every op, saved activation and collective, with this rank's shapes; nothing allocated);
 * ``report.build_report``: the memory / time model over that trace (roofline, collectives, pipeline bubble, MFU);
-* ``report.format_report``: the table printed here; the report itself is written as ``dry_run.json``.
+* ``report_format.format_report``: the table printed here; the report itself is written as ``dry_run.json``.
 
 How it works and how well it predicts published runs: ``docs/dry_run.md``.
 """
@@ -22,25 +22,49 @@ import os
 from typing import Any
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from titan_simple.config import JobConfig
 from titan_simple.errors import ConfigError
 from titan_simple.parallel.dims import ParallelDims
+from titan_simple.planning.depth import TRACED_BLOCKS, extrapolate, extrapolation_blocks, reduced_layers
 from titan_simple.planning.fake_pg import init_fake_process_group
 from titan_simple.planning.hardware import DeviceSpec, device_spec
 from titan_simple.planning.rank_trace import trace_rank
-from titan_simple.planning.report import build_report, format_report, group_names
-from titan_simple.train.plan import resolve_plan
+from titan_simple.planning.report import finish_report, group_names, measure_trace
+from titan_simple.planning.report_format import format_report
+from titan_simple.train.plan import RunPlan, resolve_plan
 
 logger = logging.getLogger("titan_simple")
 
 _RAN = False
 
 
+def plan_report(run: RunPlan, mesh: DeviceMesh | None, pp_rank: int, rank: int, spec: DeviceSpec) -> dict[str, Any]:
+    """The report of ``run``'s ``rank`` on ``mesh`` (inside the fake process group): traces of 2 and 3 blocks per
+    local part carried to the full depth (``depth.py``), or the full trace where blocks are not alike."""
+    names = group_names(mesh, run.dims)
+    blocks = extrapolation_blocks(run, pp_rank)
+    if blocks is None:
+        return finish_report(run, pp_rank, rank, measure_trace(run, trace_rank(run, mesh), spec, names), spec)
+    measured = []
+    for per_part in TRACED_BLOCKS:
+        model = dataclasses.replace(run.config.model, n_layers=reduced_layers(run, per_part))
+        short = resolve_plan(dataclasses.replace(run.config, model=model), run.dims.world_size, run.device_type)
+        measured.append(measure_trace(short, trace_rank(short, mesh), spec, names))
+    report = finish_report(run, pp_rank, rank, extrapolate(*measured, blocks), spec)
+    report["traced_blocks_per_part"] = list(TRACED_BLOCKS)
+    return report
+
+
 def run_dry_run(config: JobConfig, write: bool = True, spec: DeviceSpec | None = None) -> dict[str, Any]:
     """Plan ``config`` on ``[dry_run] world_size`` devices of kind ``[dry_run] device`` (or ``spec``): print the
     table, write ``dry_run.json`` to the dump folder, return the report."""
     global _RAN
+    if config.dry_run.search:  # many layouts, each priced in a worker process (search.py)
+        from titan_simple.planning.search import run_search  # noqa: PLC0415
+
+        return run_search(config)
     if _RAN:
         # DTensor caches sharding decisions keyed by meshes compared by value: a second fake world in the same
         # process gets DTensors on the first world's (destroyed) meshes. Run each plan in its own process.
@@ -73,8 +97,7 @@ def run_dry_run(config: JobConfig, write: bool = True, spec: DeviceSpec | None =
     try:
         mesh = run.dims.build_mesh("cpu")
         pp_rank = mesh["pp"].get_local_rank() if run.pipeline is not None else 0
-        trace = trace_rank(run, mesh)
-        report = build_report(run, pp_rank, dry_run.rank, trace, spec, group_names(mesh, run.dims))
+        report = plan_report(run, mesh, pp_rank, dry_run.rank, spec)
     finally:
         dist.destroy_process_group()
     text = format_report(report)

@@ -44,7 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from titan_simple.models.llama3 import count_parameters, flops_per_token
 from titan_simple.parallel.dims import MESH_DIM_ORDER, ParallelDims
 from titan_simple.parallel.pipeline import PipelinePlan
-from titan_simple.planning.hardware import GIB, DeviceSpec
+from titan_simple.planning.hardware import DeviceSpec
 from titan_simple.planning.rank_trace import RankTrace
 from titan_simple.planning.trace import Collective, OpCost
 from titan_simple.train.plan import RunPlan
@@ -158,13 +158,13 @@ def comm_overlapped(run: RunPlan) -> bool:
     return overlapping and (compile_plan.reorder or compile_plan.bucketing == "auto")
 
 
-def exposed_dp_floor(run: RunPlan, trace: RankTrace, dp_comm_s: float) -> float:
+def exposed_dp_floor(run: RunPlan, m: Measured, dp_comm_s: float) -> float:
     """The data-parallel seconds no compute can hide even when overlapped: one bucket's in one graph; under
     regional compilation what has nothing of its own graph to run behind, by its share of the parameter bytes
     (``StageTrace.region_exposed_bytes``: the embedding's region, what each block region cannot hide)."""
     if run.compile.mode == "regional":
-        return dp_comm_s * sum(part.region_exposed_bytes for part in trace.parts) / max(trace.parameter_bytes, 1)
-    return dp_comm_s / sum(part.buckets for part in trace.parts)
+        return dp_comm_s * m.region_exposed_bytes / max(m.parameters, 1)
+    return dp_comm_s / m.buckets
 
 
 def suggestion(largest: str, run: RunPlan) -> str:
@@ -216,72 +216,76 @@ def async_tensor_parallel_exposed(comm_s: float, matmul_s: float, tp: int) -> fl
     return max(comm_s - matmul_s, comm_s / tp)
 
 
-def once_per_step_exposed(gathers: list[float], reduces: list[float], compute_pass: float, lazy: bool) -> float:
+def once_per_step_split(gathers: list[float], reduces: list[float], lazy: bool) -> tuple[float, float]:
     """Seconds of SimpleFSDP's once-per-step gathers and reduces (``parallel/step_gather.py``) that no compute
     hides. Each reduce-scatter starts when its bucket's last gradient is complete and runs while the earlier
     layers' backward does, so only the last one's is exposed: the first bucket in forward order, which the trace
     (it reduces after its microbatch, in forward order) lists first. All gathers start together; in an eager forward
     (``lazy``) each bucket is waited for where its weights are first read, so only the first bucket's gather is
     exposed, while a compiled forward needs them all before it starts. What overlaps is hidden behind one
-    microbatch pass of this rank's stages, as far as that pass is long enough."""
-    if not gathers and not reduces:
-        return 0.0
+    microbatch pass of this rank's stages, as far as that pass is long enough: exposed = edges + max(hidden -
+    pass, 0) of the (edges, hidden) returned here (``finish_report``)."""
     waited = gathers[:1] if lazy else gathers
-    edges = sum(waited) + (reduces[0] if reduces else 0.0)
-    hidden = sum(gathers[len(waited):]) + sum(reduces[1:])
-    return edges + max(hidden - compute_pass, 0.0)
+    return sum(waited) + (reduces[0] if reduces else 0.0), sum(gathers[len(waited):]) + sum(reduces[1:])
 
 
-def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: DeviceSpec,
-                 dim_of_group: dict[str, str]) -> dict[str, Any]:
-    """The memory / time model of ``run``'s rank ``rank`` (pipeline rank ``pp_rank``) over its ``trace``."""
-    config, dims, plan = run.config, run.dims, run.pipeline
-    training = config.training
-    args = run.model_args
+@dataclass
+class Measured:
+    """What the model reads off one rank's trace under one run plan, before anything is combined: sums and
+    maxima over the traced ops, collectives and parts, each linear in the transformer blocks a rank holds (so
+    ``depth.extrapolate`` can carry a trace of few blocks to the full depth). ``finish_report`` does the rest."""
+
+    parameters: int
+    gradients: int
+    optimizer_state: int
+    kept: int  # activations one microbatch leaves for backward (the largest local part)
+    part_peak: int  # live peak of forward + backward (the largest local part)
+    optimizer_peak: int
+    regional_handoff: int
+    compute_pass: float  # seconds of one microbatch's ops, all local stages
+    by_category: dict[str, float]
+    optimizer_seconds: float
+    matmul_flops: float
+    rows: dict[tuple[str, str, str], dict[str, float]]  # (mesh dim, kind, dtype) -> count, bytes, seconds, once
+    dp_comm_pass: float
+    other_pass: float
+    exposed_pass: float
+    dp_once_seconds: float
+    once_edges: float  # once-per-step gathers / reduce that wait (once_per_step_split)
+    once_hidden: float  # ... and those that compute may hide
+    p2p_pass: float
+    fused_tp: dict[str, float]
+    buckets: int
+    parameter_tensors: int
+    region_exposed_bytes: int
+    peak_at: str
+    trace_seconds: float
+
+
+def measure_trace(run: RunPlan, trace: RankTrace, spec: DeviceSpec, dim_of_group: dict[str, str]) -> Measured:
+    """The sums and maxima of ``trace`` that the report is built from (``Measured``)."""
+    dims, plan, training = run.dims, run.pipeline, run.config.training
     mdims = mesh_dims(dims, spec.gpus_per_node)
     world = dims.dp * dims.tp * dims.pp
-    accumulation = run.accumulation_steps
-    passes = (plan.n_microbatches if plan is not None else 1) * accumulation  # traced microbatch -> per step
     compiled = run.compile.enabled
-    overlapped = comm_overlapped(run)
-
-    # ---- memory
-    chunks = in_flight_chunks(plan, pp_rank)
-    kept = max(part.activation_bytes for part in trace.parts)
-    static = trace.parameter_bytes + trace.gradient_bytes + trace.optimizer_bytes
-    fwd_bwd_peak = max(part.peak_bytes for part in trace.parts) + (chunks - 1) * kept
-    peak = max(fwd_bwd_peak, trace.optimizer_peak_bytes)
-    activations = chunks * kept
-    transient = max(peak - static - activations, 0)
-    contributors = {"parameters": trace.parameter_bytes, "gradients": trace.gradient_bytes,
-                    "optimizer state": trace.optimizer_bytes, "activations": activations,
-                    "transient (peak - the rest)": transient}
-    largest = max(contributors, key=contributors.__getitem__)
-    reserved = peak * (1 + spec.allocator_overhead)  # what torch.cuda.max_memory_reserved would say
-    device_total = reserved + spec.runtime_bytes  # what nvidia-smi would say
-    fits = device_total <= spec.memory_bytes
-
-    # ---- compute (the traced ops are one microbatch per local stage + one optimizer step)
-    step_ops = [op for op in trace.ops if op.phase != "optimizer"]
-    compute_pass = sum(op_seconds(op, spec, compiled) for op in step_ops)  # all local stages, one microbatch
-    optimizer_s = sum(op_seconds(op, spec, compiled) for op in trace.ops if op.phase == "optimizer")
-    matmul_flops = sum(op.flops for op in step_ops)
-    by_category: dict[str, float] = defaultdict(float)
-    for op in step_ops:
-        by_category[op.category] += op_seconds(op, spec, compiled)
-
-    # ---- collectives per step
-    rows: dict[tuple[str, str, str], dict[str, float]] = defaultdict(
-        lambda: {"count": 0, "bytes": 0, "seconds": 0.0, "once": 0})
-    dp_comm_pass = exposed_pass = other_pass = dp_once_s = 0.0
-    async_tp = run.compile.async_tensor_parallel
-    fused_tp: dict[str, int] = defaultdict(int)  # per "phase kind": TP collectives async TP fuses, one pass
 
     def seconds_of(op: OpCost) -> float:
         return op_seconds(op, spec, compiled)
 
+    step_ops = [op for op in trace.ops if op.phase != "optimizer"]
+    by_category: dict[str, float] = defaultdict(float)
+    for op in step_ops:
+        by_category[op.category] += seconds_of(op)
+    optimizer_s = sum(seconds_of(op) for op in trace.ops if op.phase == "optimizer")
+
+    rows: dict[tuple[str, str, str], dict[str, float]] = defaultdict(
+        lambda: {"count": 0, "bytes": 0, "seconds": 0.0, "once": 0})
+    dp_comm_pass = exposed_pass = other_pass = dp_once_s = 0.0
+    async_tp = run.compile.async_tensor_parallel
+    fused_tp: dict[str, float] = defaultdict(int)  # per "phase kind": TP collectives async TP fuses, one pass
     once_gathers: list[float] = []  # SimpleFSDP's once-per-step collectives, in the order they start
     once_reduces: list[float] = []
+    passes = (plan.n_microbatches if plan is not None else 1) * run.accumulation_steps
     for c in trace.collectives:
         dim_name = dim_of_group.get(c.group, "world")
         dim = mdims.get(dim_name, MeshDim(dim_name, world, world <= spec.gpus_per_node))
@@ -313,7 +317,7 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
         # stream [microbatch, seq (/tp, sequence parallel), dim] in the compute dtype).
         dtype = run.precision.param_dtype
         local_seq = training.seq_len // dims.tp if dims.tp > 1 else training.seq_len
-        boundary = (config.parallelism.pipeline_parallel_microbatch_size * local_seq * args.dim
+        boundary = (run.config.parallelism.pipeline_parallel_microbatch_size * local_seq * run.model_args.dim
                     * torch.finfo(dtype).bits // 8)
         for part in trace.parts:
             sides = int(part.stage != 0) + int(part.stage != plan.num_stages - 1)
@@ -324,24 +328,71 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
                 row["count"] += 2 * sides * passes
                 row["bytes"] += 2 * sides * passes * boundary
                 row["seconds"] += passes * seconds
-    n_buckets = sum(part.buckets for part in trace.parts)
-    n_tensors = sum(part.parameter_tensors for part in trace.parts)
+    once_edges, once_hidden = once_per_step_split(once_gathers, once_reduces, lazy=not compiled)
+    return Measured(
+        parameters=trace.parameter_bytes, gradients=trace.gradient_bytes, optimizer_state=trace.optimizer_bytes,
+        kept=max(part.activation_bytes for part in trace.parts),
+        part_peak=max(part.peak_bytes for part in trace.parts), optimizer_peak=trace.optimizer_peak_bytes,
+        regional_handoff=max(part.handoff_held_bytes for part in trace.parts),
+        compute_pass=sum(by_category.values()), by_category=dict(by_category), optimizer_seconds=optimizer_s,
+        matmul_flops=sum(op.flops for op in step_ops), rows=dict(rows), dp_comm_pass=dp_comm_pass,
+        other_pass=other_pass, exposed_pass=exposed_pass, dp_once_seconds=dp_once_s,
+        once_edges=once_edges, once_hidden=once_hidden, p2p_pass=p2p_pass,
+        fused_tp=dict(fused_tp), buckets=sum(part.buckets for part in trace.parts),
+        parameter_tensors=sum(part.parameter_tensors for part in trace.parts),
+        region_exposed_bytes=sum(part.region_exposed_bytes for part in trace.parts), peak_at=trace.peak_at,
+        trace_seconds=trace.seconds,
+    )
+
+
+def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: DeviceSpec,
+                 dim_of_group: dict[str, str]) -> dict[str, Any]:
+    """The memory / time model of ``run``'s rank ``rank`` (pipeline rank ``pp_rank``) over its ``trace``."""
+    return finish_report(run, pp_rank, rank, measure_trace(run, trace, spec, dim_of_group), spec)
+
+
+def finish_report(run: RunPlan, pp_rank: int, rank: int, m: Measured, spec: DeviceSpec) -> dict[str, Any]:
+    """The report of ``run``'s rank ``rank`` from what was measured on its trace (or extrapolated to its depth)."""
+    config, dims, plan = run.config, run.dims, run.pipeline
+    training = config.training
+    args = run.model_args
+    mdims = mesh_dims(dims, spec.gpus_per_node)
+    world = dims.dp * dims.tp * dims.pp
+    accumulation = run.accumulation_steps
+    passes = (plan.n_microbatches if plan is not None else 1) * accumulation  # traced microbatch -> per step
+    compiled = run.compile.enabled
+    overlapped = comm_overlapped(run)
+
+    # ---- memory
+    chunks = in_flight_chunks(plan, pp_rank)
+    kept = m.kept
+    static = m.parameters + m.gradients + m.optimizer_state
+    fwd_bwd_peak = m.part_peak + (chunks - 1) * kept
+    peak = max(fwd_bwd_peak, m.optimizer_peak)
+    activations = chunks * kept
+    transient = max(peak - static - activations, 0)
+    contributors = {"parameters": m.parameters, "gradients": m.gradients, "optimizer state": m.optimizer_state,
+                    "activations": activations, "transient (peak - the rest)": transient}
+    largest = max(contributors, key=contributors.__getitem__)
+    reserved = peak * (1 + spec.allocator_overhead)  # what torch.cuda.max_memory_reserved would say
+    device_total = reserved + spec.runtime_bytes  # what nvidia-smi would say
+    fits = device_total <= spec.memory_bytes
+
+    # ---- time
+    compute_pass, dp_comm_pass = m.compute_pass, m.dp_comm_pass
     if overlapped:
-        dp_exposed_pass = max(dp_comm_pass - compute_pass, exposed_dp_floor(run, trace, dp_comm_pass))
+        dp_exposed_pass = max(dp_comm_pass - compute_pass, exposed_dp_floor(run, m, dp_comm_pass))
     else:
         dp_exposed_pass = dp_comm_pass
-    pass_s = compute_pass + dp_exposed_pass + exposed_pass + p2p_pass
-
-    # ---- pipeline bubble
+    pass_s = compute_pass + dp_exposed_pass + m.exposed_pass + m.p2p_pass
     bubble = 0.0
     if plan is not None:
-        chunk_s = pass_s / len(trace.parts)
+        chunk_s = pass_s / (plan.num_stages // plan.pp)
         factor = {"InterleavedZeroBubble": 1 / 3, "ZBVZeroBubble": 1 / 3}.get(plan.schedule, 1.0)
         bubble = (plan.pp - 1) * chunk_s * factor * accumulation
-    dp_once_exposed = once_per_step_exposed(once_gathers, once_reduces, compute_pass, lazy=not compiled)
-    step_s = passes * pass_s + bubble + optimizer_s + dp_once_exposed
-    global_tokens = run.global_tokens
-    roofline_tokens_per_gpu = global_tokens / world / step_s
+    dp_once_exposed = m.once_edges + max(m.once_hidden - compute_pass, 0.0)  # once_per_step_split
+    step_s = passes * pass_s + bubble + m.optimizer_seconds + dp_once_exposed
+    roofline_tokens_per_gpu = run.global_tokens / world / step_s
     tokens_per_gpu = roofline_tokens_per_gpu * spec.achieved_fraction
     model_flops = flops_per_token(args, count_parameters_of(args, exclude_embedding=True), training.seq_len)
     mfu = tokens_per_gpu * model_flops / spec.peak_flops
@@ -351,10 +402,11 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
          "link": ("NVLink" if mdims[d].intra_node else "inter-node") if d in mdims else "?", "kind": k,
          "dtype": dt, "count": int(v["count"]), "bytes": int(v["bytes"]), "seconds": v["seconds"],
          # What [compile] bucketing = "transformer_block" merges them into (one collective per bucket).
-         "count_bucketed": (int(v["once"]) + round((v["count"] - v["once"]) * n_buckets / n_tensors)
+         "count_bucketed": (int(v["once"]) + round((v["count"] - v["once"]) * m.buckets / m.parameter_tensors)
                             if d in DATA_PARALLEL_DIMS else int(v["count"]))}
-        for (d, k, dt), v in sorted(rows.items())
+        for (d, k, dt), v in sorted(m.rows.items())
     ]
+    by_category = defaultdict(float, m.by_category)
     return {
         "plan": run.describe(),
         "config": config.config_file,
@@ -365,7 +417,7 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
         "rank": rank,
         "mesh": dims.describe,
         "pipeline": None if plan is None else {
-            "schedule": plan.schedule, "stages": plan.num_stages, "local_stages": [p.stage for p in trace.parts],
+            "schedule": plan.schedule, "stages": plan.num_stages, "local_stages": local_stages(plan, pp_rank),
             "microbatches": plan.n_microbatches, "in_flight_chunks": chunks},
         "local_batch_size": training.local_batch_size,
         "seq_len": training.seq_len,
@@ -374,21 +426,22 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
         "compiled": compiled,
         "fsdp_gather": run.gather_mode,
         "comm_overlapped": overlapped,
-        "async_tensor_parallel": ({"fused_collectives_per_pass": sum(fused_tp.values()), "fused": dict(fused_tp)}
-                                  if async_tp else None),
+        "async_tensor_parallel": ({"fused_collectives_per_pass": int(sum(m.fused_tp.values())),
+                                   "fused": {k: int(v) for k, v in m.fused_tp.items()}}
+                                  if run.compile.async_tensor_parallel else None),
         "memory_bytes": {
-            "parameters": trace.parameter_bytes,
-            "gradients": trace.gradient_bytes,
-            "optimizer_state": trace.optimizer_bytes,
+            "parameters": m.parameters,
+            "gradients": m.gradients,
+            "optimizer_state": m.optimizer_state,
             "activations": activations,
             "activations_per_microbatch": kept,
-            "regional_handoff": max(part.handoff_held_bytes for part in trace.parts),  # within the activations
+            "regional_handoff": m.regional_handoff,  # within the activations
             "transient": transient,
             "peak": peak, "reserved": reserved,
             "device_total": device_total,
             "device": spec.memory_bytes,
         },
-        "peak_at": trace.peak_at if fwd_bwd_peak >= trace.optimizer_peak_bytes else "optimizer step",
+        "peak_at": m.peak_at if fwd_bwd_peak >= m.optimizer_peak else "optimizer step",
         "fits": fits,
         "largest_contributor": largest,
         "suggestion": None if fits else suggestion(largest, run),
@@ -398,22 +451,26 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
             "compute_matmul": passes * by_category["matmul"],
             "compute_attention": passes * by_category["attention"],
             "compute_elementwise": passes * by_category["memory"],
-            "data_parallel_comm": passes * dp_comm_pass + dp_once_s,
+            "data_parallel_comm": passes * dp_comm_pass + m.dp_once_seconds,
             "data_parallel_comm_exposed": passes * dp_exposed_pass + dp_once_exposed,
-            "tensor_parallel_and_other_comm": passes * other_pass,
-            "tensor_parallel_and_other_comm_exposed": passes * exposed_pass,
-            "pipeline_send_recv": passes * p2p_pass,
+            "tensor_parallel_and_other_comm": passes * m.other_pass,
+            "tensor_parallel_and_other_comm_exposed": passes * m.exposed_pass,
+            "pipeline_send_recv": passes * m.p2p_pass,
             "pipeline_bubble": bubble,
-            "optimizer": optimizer_s,
+            "optimizer": m.optimizer_seconds,
             "step": step_s,
         },
-        "hardware_flops_per_step": passes * matmul_flops,
+        "hardware_flops_per_step": passes * m.matmul_flops,
         "tokens_per_second_per_gpu": tokens_per_gpu,
         "roofline_tokens_per_second_per_gpu": roofline_tokens_per_gpu,
         "mfu": mfu,
-        "trace_seconds": trace.seconds,
+        "trace_seconds": m.trace_seconds,
         "device_spec": asdict(spec),
     }
+
+
+def local_stages(plan: PipelinePlan | None, pp_rank: int) -> list[int | None]:
+    return [None] if plan is None else plan.stages_of_rank(pp_rank)
 
 
 def count_parameters_of(args, exclude_embedding: bool = False) -> int:
@@ -422,78 +479,3 @@ def count_parameters_of(args, exclude_embedding: bool = False) -> int:
 
     with torch.device("meta"):
         return count_parameters(Transformer(args)) - (args.vocab_size * args.dim if exclude_embedding else 0)
-
-
-# ---------------------------------------------------------------------------------------------- output
-
-
-def _gib(n: float) -> str:
-    return f"{n / GIB:,.2f} GiB"
-
-
-def format_report(r: dict[str, Any]) -> str:
-    m, ts = r["memory_bytes"], r["time_seconds"]
-    pipe = r["pipeline"]
-    lines = [*r.get("plan", []), "",
-        f"dry run: llama3 {r['model']} ({r['parameters'] / 1e9:.2f}B params) on {r['world_size']} x {r['device']}, "
-        f"mesh {r['mesh']}, rank {r['rank']}",
-        f"  local batch {r['local_batch_size']} x seq {r['seq_len']}, AC {r['activation_checkpoint']}, "
-        f"{'compiled' if r['compiled'] else 'eager'}, data-parallel comm "
-        f"{'overlapped' if r['comm_overlapped'] else 'exposed'}, "
-        f"SimpleFSDP gathers {r['fsdp_gather'].replace('_', ' ')}",
-    ]
-    if pipe:
-        lines.append(f"  pipeline {pipe['schedule']}: {pipe['stages']} stages, this rank runs {pipe['local_stages']}, "
-                     f"{pipe['microbatches']} microbatches, {pipe['in_flight_chunks']} in flight at the peak")
-    lines += [
-        "",
-        "  memory per rank            ",
-        f"    parameters (fp32 shards)  {_gib(m['parameters']):>14}",
-        f"    gradients                 {_gib(m['gradients']):>14}",
-        f"    optimizer state           {_gib(m['optimizer_state']):>14}",
-        f"    activations               {_gib(m['activations']):>14}   "
-        f"({_gib(m['activations_per_microbatch'])} per microbatch)",
-        f"    transient                 {_gib(m['transient']):>14}",
-        f"    peak (tensors)            {_gib(m['peak']):>14}   (reached at {r['peak_at']})",
-    ]
-    if m["device_total"] != m["peak"]:
-        lines += [
-            f"    reserved (allocator)      {_gib(m['reserved']):>14}   "
-            f"(peak x {m['reserved'] / m['peak']:.3f}, fitted)",
-            f"    + CUDA context, NCCL      {_gib(m['device_total'] - m['reserved']):>14}",
-        ]
-    lines.append(f"    on the device             {_gib(m['device_total']):>14}   of {_gib(m['device'])} "
-                 f"({100 * m['device_total'] / m['device']:.0f}%)  -> {'fits' if r['fits'] else 'DOES NOT FIT'}")
-    if not r["fits"]:
-        lines.append(f"    largest contributor: {r['largest_contributor']}; suggestion: {r['suggestion']}")
-    lines += ["", f"  collectives per step (mesh dim(size, link) kind dtype)   {'count':>7} {'bucketed':>8} "
-              f"{'payload':>14} {'time':>10}"]
-    for c in r["collectives_per_step"]:
-        label = f"{c['mesh_dim']}({c['size']},{c['link']}) {c['kind']} {c['dtype']}"
-        lines.append(f"    {label:<52} {c['count']:>7} {c['count_bucketed']:>8} {_gib(c['bytes']):>14} "
-                     f"{c['seconds'] * 1e3:>8.1f}ms")
-    if r.get("async_tensor_parallel"):
-        tp_line = (f"    tensor-parallel/other comm {ts['tensor_parallel_and_other_comm'] * 1e3:>10.1f} ms "
-                   f"({ts['tensor_parallel_and_other_comm_exposed'] * 1e3:.1f} ms exposed; async TP fuses "
-                   f"{r['async_tensor_parallel']['fused_collectives_per_pass']} per microbatch pass)")
-    else:
-        tp_line = (f"    tensor-parallel/other comm {ts['tensor_parallel_and_other_comm_exposed'] * 1e3:>10.1f} ms "
-                   "(exposed)")
-    lines += [
-        "",
-        "  step time (roofline)",
-        f"    compute                    {ts['compute'] * 1e3:>10.1f} ms (matmul {ts['compute_matmul'] * 1e3:.0f}, "
-        f"attention {ts['compute_attention'] * 1e3:.0f}, elementwise {ts['compute_elementwise'] * 1e3:.0f})",
-        f"    data-parallel comm         {ts['data_parallel_comm'] * 1e3:>10.1f} ms "
-        f"({ts['data_parallel_comm_exposed'] * 1e3:.1f} ms exposed)",
-        tp_line,
-        f"    pipeline send/recv         {ts['pipeline_send_recv'] * 1e3:>10.1f} ms",
-        f"    pipeline bubble            {ts['pipeline_bubble'] * 1e3:>10.1f} ms",
-        f"    optimizer step             {ts['optimizer'] * 1e3:>10.1f} ms",
-        f"    step                       {ts['step'] * 1e3:>10.1f} ms",
-        f"  roofline: {r['roofline_tokens_per_second_per_gpu']:,.0f} tokens/s/GPU; predicted (x "
-        f"{r['tokens_per_second_per_gpu'] / r['roofline_tokens_per_second_per_gpu']:.3f}, fitted): "
-        f"{r['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, MFU {100 * r['mfu']:.1f}%  "
-        f"(traced in {r['trace_seconds']:.1f} s)",
-    ]
-    return "\n".join(lines)

@@ -1,0 +1,257 @@
+"""``--dry_run --dry_run.search``: rank every layout of a model on a cluster by the dry run's prediction.
+
+    python train.py --config llama3_70b.toml --dry_run --dry_run.search --dry_run.world_size 256
+
+1. ``layouts.enumerate_layouts``: every mix of the trainer's knobs at the config's global batch, checked later
+   by the trainer's own ``resolve_plan``.
+2. Pruned without tracing: pins (``search_fix``), layouts the model can never rank above a sibling
+   (``layouts.dominated``), and layouts whose ``bounds.memory_floor`` does not fit.
+3. One traced block per class of (tensor parallel, microbatch, activation checkpointing, float8) gives each
+   layout's floor its activations and its ``bounds.speed_ceiling``.
+4. Best first: layouts are priced in order of their ceiling by the standalone dry run itself (workers of
+   ``search_worker``), until ``search_top`` layouts that fit are faster than every ceiling left. A heavier
+   activation checkpointing of a layout whose lighter one fits is skipped (it only adds recomputation).
+5. The table (``search_table``) and ``search.json``: every candidate with its fate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import multiprocessing
+import os
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+from titan_simple.config import JobConfig
+from titan_simple.errors import ConfigError
+from titan_simple.planning import search_worker
+from titan_simple.planning.bounds import ModelSizes, memory_floor, speed_ceiling
+from titan_simple.planning.hardware import GIB, device_spec
+from titan_simple.planning.layouts import (
+    Layout,
+    apply_overrides,
+    checked_plan,
+    dominated,
+    enumerate_layouts,
+    matches,
+)
+from titan_simple.planning.search_table import format_search, why_loses
+from titan_simple.train.plan import model_args_for
+
+AC_ORDER = {"none": 0, "selective": 1, "full": 2}
+
+
+def parse_pins(config: JobConfig) -> dict[str, str]:
+    """``[dry_run] search_fix`` as {section.key: value}, each checked as a command-line override would be."""
+    pins = {}
+    for pin in config.dry_run.search_fix:
+        key, eq, value = pin.partition("=")
+        if not eq or "." not in key:
+            raise ConfigError(f"[dry_run] search_fix: '{pin}' is not section.key=value; e.g. "
+                              "--dry_run.search_fix parallelism.tensor_parallel_degree=8")
+        apply_overrides(config, [(key.strip(), value.strip())])  # unknown keys / bad values: one line
+        pins[key.strip()] = value.strip()
+    return pins
+
+
+def _class_overrides(layout: Layout, world_size: int) -> tuple[tuple[str, str], ...]:
+    """A pipeline-free layout with ``layout``'s blocks (tensor parallel, microbatch, checkpointing, float8)."""
+    values = layout.values
+    tp = layout.degree("tensor_parallel")
+    pp = layout.degree("pipeline_parallel")
+    micro = values["parallelism.pipeline_parallel_microbatch_size"] if pp > 1 else values["training.local_batch_size"]
+    dp = world_size // tp
+    keep = ("parallelism.enable_async_tensor_parallel", "activation_checkpoint.mode",
+            "activation_checkpoint.selective_ac_option", "compile.enable", "model.converters")
+    return (("parallelism.data_parallel_replicate_degree", "1"), ("parallelism.data_parallel_shard_degree", str(dp)),
+            ("parallelism.tensor_parallel_degree", str(tp)), ("parallelism.pipeline_parallel_degree", "1"),
+            ("parallelism.fsdp_gather", "per_microbatch"), ("training.local_batch_size", micro),
+            ("training.global_batch_size", str(int(micro) * dp)), ("compile.regional", "false"),
+            *((k, values[k]) for k in keep if k in values))
+
+
+def _sibling_key(layout: Layout) -> tuple:
+    return tuple((k, v) for k, v in layout.overrides
+                 if k not in ("activation_checkpoint.mode", "activation_checkpoint.selective_ac_option"))
+
+
+def _row(layout: Layout | None, report: dict[str, Any]) -> dict[str, Any]:
+    t = report["time_seconds"]
+    return {
+        "overrides": [] if layout is None else layout.argv(),
+        "layout": "the config as written" if layout is None else layout.command(),
+        "mesh": report["mesh"], "fits": report["fits"],
+        "reserved_gib": report["memory_bytes"]["reserved"] / GIB,
+        "device_gib": report["memory_bytes"]["device_total"] / GIB,
+        "tokens_per_second_per_gpu": report["tokens_per_second_per_gpu"], "mfu": report["mfu"],
+        "step_seconds": t["step"],
+        "exposed_comm_seconds": (t["data_parallel_comm_exposed"] + t["tensor_parallel_and_other_comm_exposed"]
+                                 + t["pipeline_send_recv"]),
+        "bubble_seconds": t["pipeline_bubble"],
+        "time_seconds": t, "activation_checkpoint": report["activation_checkpoint"],
+        "local_batch_size": report["local_batch_size"], "pipeline": report["pipeline"],
+        "fsdp_gather": report["fsdp_gather"],
+    }
+
+
+class Progress:
+    def __init__(self, total: int) -> None:
+        self.total, self.start, self.tty = total, time.perf_counter(), sys.stderr.isatty()
+
+    def show(self, priced: int, best: float, final: bool = False) -> None:
+        line = (f"search: {priced} priced, {self.total} candidates left after pruning, best {best:,.0f} tokens/s/GPU, "
+                f"{time.perf_counter() - self.start:.0f} s")
+        if self.tty:
+            print("\r" + line, end="\n" if final else "", file=sys.stderr, flush=True)
+        elif final or priced % 20 == 0:
+            print(line, file=sys.stderr, flush=True)
+
+
+def run_search(config: JobConfig) -> dict[str, Any]:
+    """Search ``config``'s layouts on ``[dry_run] world_size`` devices; print the table, write search.json."""
+    start = time.perf_counter()
+    dry = config.dry_run
+    world = dry.world_size
+    device_type = "cpu" if dry.device == "cpu" else "cuda"
+    if dry.search_top < 1 or dry.search_workers < 1 or dry.gpus_per_node < 1:
+        raise ConfigError("[dry_run] search_top, search_workers and gpus_per_node must be positive integers.")
+    measured = device_type == "cpu" and dry.collective_bandwidth
+    extra = {"collective_bandwidth": dry.collective_bandwidth} if measured else {}
+    spec = dataclasses.replace(device_spec(dry.device, world, **extra), gpus_per_node=dry.gpus_per_node)
+    base = dataclasses.replace(config, dry_run=dataclasses.replace(dry, search=False))
+    pins = parse_pins(base)
+    args = model_args_for(base)
+    sizes = ModelSizes.of(args)
+    float8 = dry.search_float8 and spec.float8_peak_flops is not None
+    layouts = enumerate_layouts(base, args, world, dry.gpus_per_node, float8, dry.search_batch)
+    fates: dict[Layout, str] = {}
+    candidates = []
+    for layout in layouts:
+        if not matches(layout, pins):
+            fates[layout] = "filtered by search_fix"
+        elif reason := dominated(layout):
+            fates[layout] = reason
+        elif (floor := memory_floor(layout, args, sizes, spec)) > spec.memory_bytes:
+            fates[layout] = f"does not fit: parameters, gradients and AdamW state alone {floor / GIB:.1f} GiB"
+        else:
+            candidates.append(layout)
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["titan_simple.planning.search_worker", "titan_simple.planning.dry_run"])
+    with context.Pool(dry.search_workers, initializer=search_worker.start_worker,
+                      initargs=(base, world, device_type, spec)) as pool:
+        published_async = pool.apply_async(search_worker.price, ((),))
+        classes = sorted({_class_overrides(layout, world) for layout in candidates})
+        phases = {"enumerate": time.perf_counter() - start}
+        per_block = dict(zip(classes, pool.map(search_worker.per_block, classes), strict=True))
+        phases["classes"] = time.perf_counter() - start - phases["enumerate"]
+        phases["class_count"] = len(classes)
+        bounded = []
+        for layout in candidates:
+            block = per_block[_class_overrides(layout, world)]
+            if "error" in block:
+                fates[layout] = f"refused by the trainer: {block['error']}"
+                continue
+            floor = memory_floor(layout, args, sizes, spec, int(block["kept"]))
+            if floor > spec.memory_bytes:
+                fates[layout] = (f"does not fit: its weights, AdamW state and blocks' activations alone "
+                                 f"{floor / GIB:.1f} GiB")
+                continue
+            tokens = base.training.seq_len * int(layout.values["training.global_batch_size"])
+            bounded.append((speed_ceiling(layout, args, block["seconds"], block["ends_seconds"], tokens,
+                                          world, spec), layout))
+        bounded.sort(key=lambda item: (-item[0], AC_ORDER[item[1].values["activation_checkpoint.mode"]]))
+        published = published_async.get()
+        rows, _ = _best_first(pool, bounded, fates, dry.search_top, dry.search_workers, Progress(len(bounded)))
+    if "error" in published:
+        raise ConfigError(f"the config's own layout: {published['error']}")
+    published_row = _row(None, published)
+    phases["pricing"] = time.perf_counter() - start - phases["enumerate"] - phases["classes"]
+    return _finish(config, base, rows, published_row, fates, layouts, time.perf_counter() - start, spec, phases)
+
+
+def _best_first(pool, bounded, fates, top: int, workers: int, progress: Progress):
+    """Price layouts in order of their speed ceiling (``workers + 1`` at a time) until ``top`` fitting rows beat
+    every ceiling left."""
+    rows: list[dict[str, Any]] = []
+    fitted: set[tuple] = set()  # layouts (without AC) whose lighter checkpointing fits
+    pending: dict[Any, tuple[float, Layout]] = {}
+    index = 0
+
+    def bar() -> float:
+        fitting = sorted((r["tokens_per_second_per_gpu"] for r in rows if r["fits"]), reverse=True)
+        return fitting[top - 1] if len(fitting) >= top else 0.0
+
+    while True:
+        while len(pending) <= workers and index < len(bounded):
+            ceiling, layout = bounded[index]
+            if ceiling < bar():  # sorted: every ceiling left is lower
+                for c, rest in bounded[index:]:
+                    fates[rest] = f"cannot win: ceiling {c:,.0f} < the {top}th row's {bar():,.0f} tokens/s/GPU"
+                index = len(bounded)
+                break
+            index += 1
+            if _sibling_key(layout) in fitted:
+                fates[layout] = "skipped: a lighter activation checkpointing of this layout fits (only more recompute)"
+                continue
+            pending[pool.apply_async(search_worker.price, (layout.overrides,))] = (ceiling, layout)
+        if not pending:
+            break
+        done = next((result for result in pending if result.ready()), None)
+        if done is None:
+            time.sleep(0.01)
+            continue
+        ceiling, layout = pending.pop(done)
+        report = done.get()
+        if "error" in report:
+            fates[layout] = f"refused by the trainer: {report['error']}"
+            continue
+        row = _row(layout, report)
+        row["ceiling"] = ceiling
+        rows.append(row)
+        fates[layout] = "priced"
+        if row["fits"]:
+            fitted.add(_sibling_key(layout))
+        progress.show(len(rows), max((r["tokens_per_second_per_gpu"] for r in rows if r["fits"]), default=0.0))
+    progress.show(len(rows), max((r["tokens_per_second_per_gpu"] for r in rows if r["fits"]), default=0.0), True)
+    return rows, fitted
+
+
+def _finish(config, base, rows, published_row, fates, layouts, seconds, spec, phases) -> dict[str, Any]:
+    dry = config.dry_run
+    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: -r["tokens_per_second_per_gpu"])
+    if not fitting:
+        smallest = min(rows, key=lambda r: r["device_gib"], default=None)
+        found = f"the smallest found needs {smallest['device_gib']:.1f} GiB ({smallest['layout']})" if smallest else (
+            "no layout passed the memory floor")
+        raise ConfigError(
+            f"[dry_run] search: no layout of llama3 {base.model.flavor} fits {dry.world_size} x {spec.name} "
+            f"({spec.memory_bytes / GIB:.1f} GiB each): {found}; plan for more GPUs (--dry_run.world_size), a "
+            "smaller global batch (--training.global_batch_size) or shorter sequences (--training.seq_len).")
+    published_row["rank"] = 1 + sum(r["tokens_per_second_per_gpu"] > published_row["tokens_per_second_per_gpu"]
+                                    for r in fitting)
+    for row in fitting[1:dry.search_top]:
+        row["why_not_first"] = why_loses(row, fitting[0])
+    if published_row["rank"] > 1:
+        published_row["why_not_first"] = why_loses(published_row, fitting[0])
+    counts = Counter(fates.get(layout, "not reached").split(":")[0] for layout in layouts)
+    result = {
+        "model": base.model.flavor, "world_size": dry.world_size, "device": spec.name,
+        "gpus_per_node": dry.gpus_per_node, "seconds": seconds, "phase_seconds": phases,
+        "layouts": len(layouts), "fates": dict(counts), "table": fitting[:dry.search_top],
+        "published": published_row, "priced": rows,
+        "candidates": [{"layout": layout.command(), "fate": fates.get(layout, "not reached")} for layout in layouts],
+    }
+    print(format_search(result), flush=True)
+    os.makedirs(base.job.dump_folder, exist_ok=True)
+    path = os.path.join(base.job.dump_folder, "search.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    print(f"  written: {path}", flush=True)
+    return result
+
+
+__all__ = ["run_search", "checked_plan"]

@@ -1,0 +1,68 @@
+"""The layout search's printed table (``search.py``) and the one reason each runner-up loses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The step's parts a runner-up can lose on, and what to call them.
+PARTS = {
+    "compute": "compute",
+    "data_parallel_comm_exposed": "exposed data-parallel comm",
+    "tensor_parallel_and_other_comm_exposed": "exposed tensor-parallel comm",
+    "pipeline_send_recv": "pipeline send/recv",
+    "pipeline_bubble": "pipeline bubble",
+    "optimizer": "optimizer step",
+}
+
+
+def why_loses(row: dict[str, Any], best: dict[str, Any]) -> str:
+    """The part of the step that costs ``row`` most against ``best`` (both process the same tokens per step)."""
+    t, b = row["time_seconds"], best["time_seconds"]
+    deltas = {name: t[key] - b[key] for key, name in PARTS.items()}
+    name = max(deltas, key=deltas.__getitem__)
+    why = f"+{1000 * deltas[name]:,.0f} ms {name}"
+    if name == "compute" and row["activation_checkpoint"] != best["activation_checkpoint"]:
+        why += f" (AC {row['activation_checkpoint']} recomputes)"
+    return why
+
+
+def describe(row: dict[str, Any]) -> str:
+    """A short name of a row's layout."""
+    parts = [row["mesh"], f"lbs {row['local_batch_size']}"]
+    pipe = row["pipeline"]
+    if pipe:
+        parts.append(f"{pipe['schedule']} x {pipe['microbatches']} mb")
+    parts.append(f"AC {row['activation_checkpoint'].replace(' (op)', '')}")
+    if row["fsdp_gather"] == "once_per_step":
+        parts.append("gather once/step")
+    if "model.converters" in row["layout"] and "--model.converters float8" in row["layout"]:
+        parts.append("float8")
+    return ", ".join(parts)
+
+
+def format_search(result: dict[str, Any]) -> str:
+    table, published = result["table"], result["published"]
+    lines = [
+        f"layout search: llama3 {result['model']} on {result['world_size']} x {result['device']} "
+        f"({result['gpus_per_node']} per node): {result['layouts']:,} layouts, {len(result['priced'])} priced by the "
+        f"dry run in {result['seconds']:.0f} s",
+        f"  {'#':>3} {'tokens/s/GPU':>12} {'MFU':>6} {'reserved':>10} {'exposed comm':>12} {'bubble':>8}  layout "
+        "(why not #1)",
+    ]
+    for rank, row in enumerate(table, 1):
+        why = f"  ({row['why_not_first']})" if rank > 1 else ""
+        mark = "  <- the config as written" if rank == published["rank"] else ""
+        lines.append(f"  {rank:>3} {row['tokens_per_second_per_gpu']:>12,.0f} {100 * row['mfu']:>5.1f}% "
+                     f"{row['reserved_gib']:>6.1f} GiB {row['exposed_comm_seconds']:>10.2f} s "
+                     f"{row['bubble_seconds']:>6.2f} s  {describe(row)}{why}{mark}")
+    fits = "fits" if published["fits"] else "does not fit"
+    why = f"; {published['why_not_first']}" if published.get("why_not_first") else ""
+    lines.append(f"  the config as written ({published['mesh']}): rank {published['rank']}, "
+                 f"{published['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, {published['reserved_gib']:.1f} GiB "
+                 f"reserved, {fits}{why}")
+    lines.append("  pruned: " + ", ".join(f"{n:,} {fate}" for fate, n in sorted(result["fates"].items(),
+                                                                              key=lambda item: -item[1])))
+    lines.append(f"  the fastest, to paste: {' '.join(table[0]['overrides'])}")
+    lines.append("  Predictions of the dry run (held-out errors of its calibration: docs/dry_run.md); only a GPU run "
+                 "confirms them.")
+    return "\n".join(lines)

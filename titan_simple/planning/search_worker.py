@@ -1,0 +1,75 @@
+"""The layout search's worker processes: each is one fake rank 0 of the planned world, pricing layouts.
+
+A dry run builds a fake process group and a device mesh (``dry_run.py``). DTensor caches sharding decisions
+keyed by meshes compared by value, so a process must not build a second world after destroying the first; a
+worker therefore builds its one fake world when it starts, keeps one mesh per set of degrees, and never tears
+them down. ``price`` runs exactly the standalone dry run's ``plan_report`` on a layout, so a row of the search
+is the report a ``train.py --dry_run`` of its overrides prints (``tests/test_dry_run_search.py`` checks it).
+Workers start from a forkserver that has imported the planning stack once (about 5 s saved per worker).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from titan_simple.config import JobConfig
+from titan_simple.planning.depth import reduced_layers
+from titan_simple.planning.fake_pg import init_fake_process_group
+from titan_simple.planning.hardware import DeviceSpec
+from titan_simple.planning.layouts import apply_overrides, checked_plan
+from titan_simple.planning.rank_trace import trace_rank
+from titan_simple.planning.report import group_names, measure_trace
+
+_WORLD: dict[str, Any] = {}
+
+
+def start_worker(base: JobConfig, world_size: int, device_type: str, spec: DeviceSpec) -> None:
+    """Pool initializer: this process becomes rank 0 of a fake world of ``world_size``."""
+    init_fake_process_group(0, world_size)
+    _WORLD.update(base=base, world_size=world_size, device_type=device_type, spec=spec, meshes={})
+
+
+def _mesh(run):
+    key = (run.dims.dp_replicate, run.dims.dp_shard, run.dims.tp, run.dims.pp)
+    meshes = _WORLD["meshes"]
+    if key not in meshes:
+        meshes[key] = run.dims.build_mesh("cpu")
+    return meshes[key]
+
+
+def price(overrides: tuple[tuple[str, str], ...]) -> dict[str, Any]:
+    """The dry-run report of the base config with ``overrides`` (``{"error": ...}`` if the trainer refuses it)."""
+    from titan_simple.planning.dry_run import plan_report  # noqa: PLC0415 (dry_run imports this module's peers)
+
+    start = time.perf_counter()
+    config = apply_overrides(_WORLD["base"], overrides)
+    run = checked_plan(config, _WORLD["world_size"], _WORLD["device_type"])
+    if isinstance(run, str):
+        return {"error": run}
+    mesh = _mesh(run)
+    report = plan_report(run, mesh, 0, 0, _WORLD["spec"])
+    report["search_seconds"] = time.perf_counter() - start
+    return report
+
+
+def per_block(overrides: tuple[tuple[str, str], ...]) -> dict[str, float] | dict[str, str]:
+    """What one transformer block costs under ``overrides`` (no pipeline): the seconds of its ops and of its
+    exposed tensor-parallel collectives per microbatch (and those of the model's ends: embedding, head, loss), and
+    the activation bytes it keeps, from traces of 1 and 2 blocks. The search's bounds use them."""
+    config = apply_overrides(_WORLD["base"], overrides)
+    run = checked_plan(config, _WORLD["world_size"], _WORLD["device_type"])
+    if isinstance(run, str):
+        return {"error": run}
+    mesh = _mesh(run)
+    measured = []
+    for blocks in (1, 2):  # compute and kept bytes are linear from one block on (the peak is not: depth.py)
+        model = dataclasses.replace(run.config.model, n_layers=reduced_layers(run, blocks))
+        short = checked_plan(dataclasses.replace(run.config, model=model), _WORLD["world_size"], _WORLD["device_type"])
+        measured.append(measure_trace(short, trace_rank(short, mesh), _WORLD["spec"], group_names(mesh, run.dims)))
+    a, b = measured
+    # Tensor-parallel collectives sit on the critical path (or their async share does): in every layout's pass.
+    block = b.compute_pass - a.compute_pass + b.exposed_pass - a.exposed_pass
+    ends = a.compute_pass + a.exposed_pass - block  # embedding, norm, output and loss
+    return {"seconds": block, "ends_seconds": ends, "kept": b.kept - a.kept}
