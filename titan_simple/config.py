@@ -447,6 +447,10 @@ class DryRun:
         False, "Search float8 linears on and off (h100 / h200); default: as [model] converters says."
     )
     search_workers: int = option(2, "Processes pricing layouts in parallel.")
+    search_seconds: float = option(
+        240.0, "Stop pricing layouts after this many seconds (the rest are listed in search.json as not priced, "
+        "with their speed ceilings); the bounds rarely prune pipeline layouts, so a large world needs it."
+    )
     gpus_per_node: int = option(8, "GPUs per node of the planned cluster: tensor parallel stays inside a node.")
     full_trace: bool = option(
         False, "Trace every transformer block instead of 2 and 3 blocks per pipeline stage carried to the full "

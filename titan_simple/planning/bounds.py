@@ -1,12 +1,14 @@
 """Cheap bounds on a layout, from the model's shapes and one traced block: what the search prunes with.
 
-``memory_floor`` is at most the reserved memory the dry run will predict (parameters, gradients and AdamW state
-of rank 0's parts, sharded by tensor parallel and the shard degree, plus the activations its schedule keeps of
-its blocks alone); ``speed_ceiling`` is at least the tokens/s it will predict (the compute and exposed
-tensor-parallel traffic of rank 0's blocks, and of the embedding, head and loss where rank 0 runs the head, with
-the pipeline bubble they imply; no data-parallel or pipeline traffic, no optimizer). A layout
-whose floor does not fit, or whose ceiling is below the rows already found, cannot enter the table.
-"""
+``memory_floor`` is at most the memory the dry run will predict: parameters, gradients and AdamW state of rank
+0's parts, sharded by tensor parallel and the shard degree (activations are left out: a pipeline stage's blocks
+can keep less than a block of the whole model, measured on the debug model). ``speed_ceiling`` estimates from
+above the tokens/s it will predict: the compute and exposed tensor-parallel traffic of rank 0's blocks (as one
+block of the same class costs without pipeline parallel), and of the embedding, head and loss where rank 0 runs
+the head, with the pipeline bubble they imply, or the data-parallel traffic's floor where that is longer, plus
+the pipeline's send/recv, times ``CEILING_MARGIN``. It is not a proof: a block inside a pipeline stage that
+gathers once per step came out 6% cheaper than its class on the debug model, hence the margin; the search's
+test checks every priced layout of a debug search against its ceiling."""
 
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ import dataclasses
 from dataclasses import dataclass
 
 from titan_simple.models.llama3 import ModelArgs
+from titan_simple.parallel.dims import ParallelDims
 from titan_simple.parallel.pipeline import V_SCHEDULES, PipelinePlan, _split_evenly
 from titan_simple.planning.hardware import DeviceSpec
 from titan_simple.planning.layouts import Layout
-from titan_simple.planning.report import count_parameters_of, in_flight_chunks
+from titan_simple.planning.report import collective_seconds, count_parameters_of, mesh_dims
 
 ADAM_BYTES_PER_PARAMETER = 16  # fp32 parameter 4 + gradient 4 + AdamW's two moments 8
+CEILING_MARGIN = 1.10  # see the module docstring
 BUBBLE_FACTOR = {"InterleavedZeroBubble": 1 / 3, "ZBVZeroBubble": 1 / 3}  # as report.finish_report
 
 
@@ -55,8 +59,7 @@ def rank0_blocks(plan: PipelinePlan | None, n_layers: int) -> list[int]:
     return [n_layers] if plan is None else [len(plan.stage_layers[s]) for s in plan.stages_of_rank(0)]
 
 
-def memory_floor(layout: Layout, args: ModelArgs, sizes: ModelSizes, spec: DeviceSpec,
-                 kept_per_block: int = 0) -> float:
+def memory_floor(layout: Layout, args: ModelArgs, sizes: ModelSizes, spec: DeviceSpec) -> float:
     """Bytes on rank 0's device the dry run will predict at least (see the module docstring)."""
     plan = pipeline_of(layout, args.n_layers)
     blocks = rank0_blocks(plan, args.n_layers)
@@ -64,24 +67,61 @@ def memory_floor(layout: Layout, args: ModelArgs, sizes: ModelSizes, spec: Devic
     parameters = sizes.embedding + sum(blocks) * sizes.block + (sizes.head if holds_head else 0)
     shards = layout.degree("tensor_parallel") * layout.degree("data_parallel_shard")
     static = parameters / shards * ADAM_BYTES_PER_PARAMETER
-    activations = in_flight_chunks(plan, 0) * max(blocks) * kept_per_block
-    return (static + activations) * (1 + spec.allocator_overhead) + spec.runtime_bytes
+    return static * (1 + spec.allocator_overhead) + spec.runtime_bytes
+
+
+def data_parallel_floor(layout: Layout, args: ModelArgs, sizes: ModelSizes, spec: DeviceSpec, gather_bytes: float,
+                        reduce_bytes: float) -> tuple[float, float]:
+    """Seconds (per microbatch pass, per step) of the data-parallel traffic the dry run will price at least:
+    rank 0's weights all-gathered once (forward) and their gradients reduce-scattered (or all-reduced,
+    replicated), with no per-collective latency; where SimpleFSDP gathers once per step, that one all-gather,
+    which a compiled step waits for (``report.once_per_step_split``), per step."""
+    once = layout.values.get("parallelism.fsdp_gather") == "once_per_step"
+    plan = pipeline_of(layout, args.n_layers)
+    blocks = rank0_blocks(plan, args.n_layers)
+    holds_head = plan is None or plan.schedule in V_SCHEDULES
+    parameters = (sizes.embedding + sum(blocks) * sizes.block + (sizes.head if holds_head else 0)) / layout.degree(
+        "tensor_parallel")
+    replicate, shard = layout.degree("data_parallel_replicate"), layout.degree("data_parallel_shard")
+    dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=layout.degree("tensor_parallel"),
+                        pp=layout.degree("pipeline_parallel"), world_size=replicate * shard * layout.degree(
+                            "tensor_parallel") * layout.degree("pipeline_parallel"))
+    mdims = mesh_dims(dims, spec.gpus_per_node)
+    seconds = 0.0
+    if once:  # per step, not per pass: a compiled step waits for every once-per-step gather before it starts
+        return 0.0, collective_seconds("all_gather", parameters * gather_bytes, mdims["dp_shard"], spec, count=0) if (
+            shard > 1) else 0.0
+    if shard > 1:
+        seconds += collective_seconds("all_gather", parameters * gather_bytes, mdims["dp_shard"], spec, count=0)
+        seconds += collective_seconds("reduce_scatter", parameters * reduce_bytes, mdims["dp_shard"], spec, count=0)
+    if replicate > 1:
+        seconds += collective_seconds("all_reduce", parameters / shard * reduce_bytes, mdims["dp_replicate"], spec,
+                                      count=0)
+    return seconds, 0.0
 
 
 def speed_ceiling(layout: Layout, args: ModelArgs, block_seconds: float, ends_seconds: float, global_tokens: int,
-                  world_size: int, spec: DeviceSpec) -> float:
-    """Tokens/s/GPU the dry run will predict at most (see the module docstring)."""
+                  world_size: int, spec: DeviceSpec, dp_floor: tuple[float, float] = (0.0, 0.0),
+                  boundary_bytes: float = 0.0) -> float:
+    """Tokens/s/GPU the dry run will predict at most (see the module docstring). A pass takes at least its
+    compute or its data-parallel traffic, whichever is longer (``dp_floor``), plus its exposed TP traffic."""
     values = layout.values
     plan = pipeline_of(layout, args.n_layers)
     blocks = rank0_blocks(plan, args.n_layers)
     holds_head = plan is None or plan.schedule in V_SCHEDULES  # rank 0 runs the output and the loss too
     per_pass = sum(blocks) * block_seconds + (max(ends_seconds, 0.0) if holds_head else 0.0)
+    per_pass = max(per_pass, dp_floor[0])  # exposed TP (in per_pass) is at least 0: the max stays a lower bound
+    if plan is not None:  # pipeline send/recv, priced as report.measure_trace does (exposed)
+        pp_dim = mesh_dims(ParallelDims(1, world_size // plan.pp, 1, plan.pp, world_size), spec.gpus_per_node)["pp"]
+        for stage in plan.stages_of_rank(0):
+            sides = int(stage != 0) + int(stage != plan.num_stages - 1)
+            per_pass += 2 * sides * collective_seconds("send", boundary_bytes, pp_dim, spec)
     dp = layout.degree("data_parallel_replicate") * layout.degree("data_parallel_shard")
     rows = int(values["training.global_batch_size"]) // dp
     accumulation = rows // int(values["training.local_batch_size"])
     passes = accumulation * (plan.n_microbatches if plan is not None else 1)
-    step = passes * per_pass
+    step = passes * per_pass + dp_floor[1]
     if plan is not None:
         chunk = per_pass / len(blocks)
         step += (plan.pp - 1) * chunk * BUBBLE_FACTOR.get(plan.schedule, 1.0) * accumulation
-    return global_tokens / world_size / step * spec.achieved_fraction if step > 0 else float("inf")
+    return CEILING_MARGIN * global_tokens / world_size / step * spec.achieved_fraction if step > 0 else float("inf")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from titan_simple.config import JobConfig, _set, validate
 from titan_simple.errors import ConfigError
 from titan_simple.models.llama3 import ModelArgs
-from titan_simple.train.plan import RunPlan, model_args_for, resolve_plan
+from titan_simple.train.plan import RunPlan, resolve_plan
 
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
 AC_MODES = ("none", "selective", "full")
@@ -72,6 +72,14 @@ def apply_overrides(base: JobConfig, overrides: tuple[tuple[str, str], ...] | li
     return config
 
 
+def model_of(config: JobConfig) -> ModelArgs:
+    """The model the config builds, as the trainer resolves it (planned on one process: any world will do)."""
+    single = [(f"parallelism.{name}", "1") for name in ("data_parallel_replicate_degree",
+              "data_parallel_shard_degree", "tensor_parallel_degree", "pipeline_parallel_degree")]
+    single.append(("parallelism.enable_async_tensor_parallel", "false"))
+    return resolve_plan(apply_overrides(config, single), 1, "cuda").model_args
+
+
 def checked_plan(config: JobConfig, world_size: int, device_type: str) -> RunPlan | str:
     """The trainer's plan of ``config``, or the one-line reason it refuses the layout."""
     try:
@@ -89,6 +97,10 @@ def global_rows(config: JobConfig, world_size: int) -> int:
     others = parallelism.data_parallel_replicate_degree * parallelism.tensor_parallel_degree
     others *= parallelism.pipeline_parallel_degree
     dp = parallelism.data_parallel_replicate_degree * (shard if shard > 0 else world_size // others)
+    if dp < 1 or dp * others != world_size:
+        raise ConfigError(
+            f"[dry_run] search: the config's own degrees do not fit world_size = {world_size}, so they do not say "
+            "its global batch; give it: --training.global_batch_size ROWS (sequences per optimizer step).")
     return training.local_batch_size * dp
 
 
@@ -199,4 +211,4 @@ def matches(layout: Layout, pins: dict[str, str]) -> bool:
 
 
 __all__ = ["Layout", "apply_overrides", "checked_plan", "dominated", "enumerate_layouts", "global_rows",
-           "hsdp_replicas", "matches", "model_args_for"]
+           "hsdp_replicas", "matches", "model_of"]

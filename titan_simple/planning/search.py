@@ -6,8 +6,8 @@
    by the trainer's own ``resolve_plan``.
 2. Pruned without tracing: pins (``search_fix``), layouts the model can never rank above a sibling
    (``layouts.dominated``), and layouts whose ``bounds.memory_floor`` does not fit.
-3. One traced block per class of (tensor parallel, microbatch, activation checkpointing, float8) gives each
-   layout's floor its activations and its ``bounds.speed_ceiling``.
+3. One traced block per class of (replication, tensor parallel, microbatch, activation checkpointing, float8,
+   gathering) gives each layout its ``bounds.speed_ceiling``.
 4. Best first: layouts are priced in order of their ceiling by the standalone dry run itself (workers of
    ``search_worker``), until ``search_top`` layouts that fit are faster than every ceiling left. A heavier
    activation checkpointing of a layout whose lighter one fits is skipped (it only adds recomputation).
@@ -28,7 +28,7 @@ from typing import Any
 from titan_simple.config import JobConfig
 from titan_simple.errors import ConfigError
 from titan_simple.planning import search_worker
-from titan_simple.planning.bounds import ModelSizes, memory_floor, speed_ceiling
+from titan_simple.planning.bounds import ModelSizes, data_parallel_floor, memory_floor, speed_ceiling
 from titan_simple.planning.hardware import GIB, device_spec
 from titan_simple.planning.layouts import (
     Layout,
@@ -37,9 +37,9 @@ from titan_simple.planning.layouts import (
     dominated,
     enumerate_layouts,
     matches,
+    model_of,
 )
 from titan_simple.planning.search_table import format_search, why_loses
-from titan_simple.train.plan import model_args_for
 
 AC_ORDER = {"none": 0, "selective": 1, "full": 2}
 
@@ -58,18 +58,24 @@ def parse_pins(config: JobConfig) -> dict[str, str]:
 
 
 def _class_overrides(layout: Layout, world_size: int) -> tuple[tuple[str, str], ...]:
-    """A pipeline-free layout with ``layout``'s blocks (tensor parallel, microbatch, checkpointing, float8)."""
+    """A pipeline-free layout whose blocks cost no more than ``layout``'s: the same tensor parallel, microbatch,
+    checkpointing, float8, gathering and replication, with every other data-parallel rank a shard (SimpleFSDP's
+    casts and views act on the local shards: the most shards, the least of them)."""
     values = layout.values
     tp = layout.degree("tensor_parallel")
     pp = layout.degree("pipeline_parallel")
     micro = values["parallelism.pipeline_parallel_microbatch_size"] if pp > 1 else values["training.local_batch_size"]
     dp = world_size // tp
+    replicated = layout.degree("data_parallel_shard") == 1
+    gather = values["parallelism.fsdp_gather"]
+    steps = 2 if gather == "once_per_step" else 1  # gathering once per step needs several microbatches
     keep = ("parallelism.enable_async_tensor_parallel", "activation_checkpoint.mode",
             "activation_checkpoint.selective_ac_option", "compile.enable", "model.converters")
-    return (("parallelism.data_parallel_replicate_degree", "1"), ("parallelism.data_parallel_shard_degree", str(dp)),
+    return (("parallelism.data_parallel_replicate_degree", str(dp if replicated else 1)),
+            ("parallelism.data_parallel_shard_degree", str(1 if replicated else dp)),
             ("parallelism.tensor_parallel_degree", str(tp)), ("parallelism.pipeline_parallel_degree", "1"),
-            ("parallelism.fsdp_gather", "per_microbatch"), ("training.local_batch_size", micro),
-            ("training.global_batch_size", str(int(micro) * dp)), ("compile.regional", "false"),
+            ("parallelism.fsdp_gather", gather), ("training.local_batch_size", micro),
+            ("training.global_batch_size", str(int(micro) * dp * steps)), ("compile.regional", "false"),
             *((k, values[k]) for k in keep if k in values))
 
 
@@ -116,18 +122,19 @@ def run_search(config: JobConfig) -> dict[str, Any]:
     dry = config.dry_run
     world = dry.world_size
     device_type = "cpu" if dry.device == "cpu" else "cuda"
-    if dry.search_top < 1 or dry.search_workers < 1 or dry.gpus_per_node < 1:
-        raise ConfigError("[dry_run] search_top, search_workers and gpus_per_node must be positive integers.")
+    if dry.search_top < 1 or dry.search_workers < 1 or dry.gpus_per_node < 1 or dry.search_seconds <= 0:
+        raise ConfigError("[dry_run] search_top, search_workers, gpus_per_node and search_seconds must be positive.")
     measured = device_type == "cpu" and dry.collective_bandwidth
     extra = {"collective_bandwidth": dry.collective_bandwidth} if measured else {}
     spec = dataclasses.replace(device_spec(dry.device, world, **extra), gpus_per_node=dry.gpus_per_node)
     base = dataclasses.replace(config, dry_run=dataclasses.replace(dry, search=False))
     pins = parse_pins(base)
-    args = model_args_for(base)
+    args = model_of(base)
     sizes = ModelSizes.of(args)
     float8 = dry.search_float8 and spec.float8_peak_flops is not None
     layouts = enumerate_layouts(base, args, world, dry.gpus_per_node, float8, dry.search_batch)
     fates: dict[Layout, str] = {}
+    floors: dict[Layout, float] = {}  # the smallest memory seen, for "nothing fits"
     candidates = []
     for layout in layouts:
         if not matches(layout, pins):
@@ -136,6 +143,7 @@ def run_search(config: JobConfig) -> dict[str, Any]:
             fates[layout] = reason
         elif (floor := memory_floor(layout, args, sizes, spec)) > spec.memory_bytes:
             fates[layout] = f"does not fit: parameters, gradients and AdamW state alone {floor / GIB:.1f} GiB"
+            floors[layout] = floor
         else:
             candidates.append(layout)
 
@@ -150,32 +158,37 @@ def run_search(config: JobConfig) -> dict[str, Any]:
         phases["classes"] = time.perf_counter() - start - phases["enumerate"]
         phases["class_count"] = len(classes)
         bounded = []
+        # bytes per element of the weights gathered and the gradients reduced, at least (float8 gathers 1)
+        compute_bytes = 4 if base.training.mixed_precision_param == "float32" else 2
+        gather_bytes = 1 if base.model.converters or float8 else compute_bytes
+        reduce_bytes = 2 if base.training.mixed_precision_reduce == "bfloat16" else 4
         for layout in candidates:
             block = per_block[_class_overrides(layout, world)]
             if "error" in block:
                 fates[layout] = f"refused by the trainer: {block['error']}"
                 continue
-            floor = memory_floor(layout, args, sizes, spec, int(block["kept"]))
-            if floor > spec.memory_bytes:
-                fates[layout] = (f"does not fit: its weights, AdamW state and blocks' activations alone "
-                                 f"{floor / GIB:.1f} GiB")
-                continue
+            floors[layout] = memory_floor(layout, args, sizes, spec)
             tokens = base.training.seq_len * int(layout.values["training.global_batch_size"])
+            dp_floor = data_parallel_floor(layout, args, sizes, spec, gather_bytes, reduce_bytes)
+            tp = layout.degree("tensor_parallel")
+            micro = int(layout.values.get("parallelism.pipeline_parallel_microbatch_size", 1))
+            boundary = micro * base.training.seq_len // tp * args.dim * compute_bytes
             bounded.append((speed_ceiling(layout, args, block["seconds"], block["ends_seconds"], tokens,
-                                          world, spec), layout))
+                                          world, spec, dp_floor, boundary), layout))
         bounded.sort(key=lambda item: (-item[0], AC_ORDER[item[1].values["activation_checkpoint.mode"]]))
         published = published_async.get()
-        rows, _ = _best_first(pool, bounded, fates, dry.search_top, dry.search_workers, Progress(len(bounded)))
-    if "error" in published:
-        raise ConfigError(f"the config's own layout: {published['error']}")
-    published_row = _row(None, published)
+        deadline = start + dry.search_seconds
+        rows, _ = _best_first(pool, bounded, fates, floors, dry.search_top, dry.search_workers,
+                              Progress(len(bounded)), deadline)
+    published_row = {"error": published["error"]} if "error" in published else _row(None, published)
     phases["pricing"] = time.perf_counter() - start - phases["enumerate"] - phases["classes"]
-    return _finish(config, base, rows, published_row, fates, layouts, time.perf_counter() - start, spec, phases)
+    return _finish(config, base, rows, published_row, fates, layouts, time.perf_counter() - start, spec, phases,
+                   floors)
 
 
-def _best_first(pool, bounded, fates, top: int, workers: int, progress: Progress):
+def _best_first(pool, bounded, fates, floors, top: int, workers: int, progress: Progress, deadline: float):
     """Price layouts in order of their speed ceiling (``workers + 1`` at a time) until ``top`` fitting rows beat
-    every ceiling left."""
+    every ceiling left, or the ``deadline`` (``time.perf_counter``) passes."""
     rows: list[dict[str, Any]] = []
     fitted: set[tuple] = set()  # layouts (without AC) whose lighter checkpointing fits
     pending: dict[Any, tuple[float, Layout]] = {}
@@ -188,6 +201,11 @@ def _best_first(pool, bounded, fates, top: int, workers: int, progress: Progress
     while True:
         while len(pending) <= workers and index < len(bounded):
             ceiling, layout = bounded[index]
+            if time.perf_counter() > deadline:
+                for c, rest in bounded[index:]:
+                    fates[rest] = f"not priced: the search_seconds budget ran out (ceiling {c:,.0f} tokens/s/GPU)"
+                index = len(bounded)
+                break
             if ceiling < bar():  # sorted: every ceiling left is lower
                 for c, rest in bounded[index:]:
                     fates[rest] = f"cannot win: ceiling {c:,.0f} < the {top}th row's {bar():,.0f} tokens/s/GPU"
@@ -210,33 +228,50 @@ def _best_first(pool, bounded, fates, top: int, workers: int, progress: Progress
             fates[layout] = f"refused by the trainer: {report['error']}"
             continue
         row = _row(layout, report)
-        row["ceiling"] = ceiling
+        row["ceiling"], row["floor_gib"] = ceiling, floors[layout] / GIB
         rows.append(row)
         fates[layout] = "priced"
         if row["fits"]:
             fitted.add(_sibling_key(layout))
         progress.show(len(rows), max((r["tokens_per_second_per_gpu"] for r in rows if r["fits"]), default=0.0))
+        if os.environ.get("TITAN_SIMPLE_SEARCH_TRACE"):  # debugging the bounds: every priced row as it comes
+            with open(os.environ["TITAN_SIMPLE_SEARCH_TRACE"], "a") as f:
+                f.write(json.dumps({k: row[k] for k in ("layout", "ceiling", "floor_gib", "device_gib", "fits",
+                                                        "tokens_per_second_per_gpu", "time_seconds")}) + "\n")
     progress.show(len(rows), max((r["tokens_per_second_per_gpu"] for r in rows if r["fits"]), default=0.0), True)
     return rows, fitted
 
 
-def _finish(config, base, rows, published_row, fates, layouts, seconds, spec, phases) -> dict[str, Any]:
+def _no_fit(base, rows, floors, spec) -> ConfigError:
+    """The one line for a world that no layout fits: the smallest memory found, and what would make it fit."""
+    world = base.dry_run.world_size
+    seen = [(r["device_gib"] * GIB, r["layout"], "predicted") for r in rows]
+    seen += [(floor, layout.command(), "at least") for layout, floor in floors.items()]
+    if not seen:
+        return ConfigError(f"[dry_run] search: no layout of llama3 {base.model.flavor} is valid on {world} GPUs "
+                           "(see search_fix and the degrees); try another --dry_run.world_size.")
+    need, layout, how = min(seen, key=lambda item: item[0])
+    nodes = base.dry_run.gpus_per_node
+    more = -(-int(world * need / spec.memory_bytes) // nodes) * nodes  # memory per GPU falls about as 1/world
+    return ConfigError(
+        f"[dry_run] search: no layout of llama3 {base.model.flavor} fits {world} x {spec.name} "
+        f"({spec.memory_bytes / GIB:.1f} GiB each); the smallest needs {how} {need / GIB:.1f} GiB ({layout}); plan "
+        f"for about {max(more, world + nodes)} GPUs (--dry_run.world_size), a smaller global batch "
+        "(--training.global_batch_size) or shorter sequences (--training.seq_len).")
+
+
+def _finish(config, base, rows, published_row, fates, layouts, seconds, spec, phases, floors) -> dict[str, Any]:
     dry = config.dry_run
     fitting = sorted((r for r in rows if r["fits"]), key=lambda r: -r["tokens_per_second_per_gpu"])
     if not fitting:
-        smallest = min(rows, key=lambda r: r["device_gib"], default=None)
-        found = f"the smallest found needs {smallest['device_gib']:.1f} GiB ({smallest['layout']})" if smallest else (
-            "no layout passed the memory floor")
-        raise ConfigError(
-            f"[dry_run] search: no layout of llama3 {base.model.flavor} fits {dry.world_size} x {spec.name} "
-            f"({spec.memory_bytes / GIB:.1f} GiB each): {found}; plan for more GPUs (--dry_run.world_size), a "
-            "smaller global batch (--training.global_batch_size) or shorter sequences (--training.seq_len).")
-    published_row["rank"] = 1 + sum(r["tokens_per_second_per_gpu"] > published_row["tokens_per_second_per_gpu"]
-                                    for r in fitting)
+        raise _no_fit(base, rows, floors, spec)
     for row in fitting[1:dry.search_top]:
         row["why_not_first"] = why_loses(row, fitting[0])
-    if published_row["rank"] > 1:
-        published_row["why_not_first"] = why_loses(published_row, fitting[0])
+    if "error" not in published_row:
+        faster = [r for r in fitting if r["tokens_per_second_per_gpu"] > published_row["tokens_per_second_per_gpu"]]
+        published_row["rank"] = 1 + len(faster)
+        if faster:
+            published_row["why_not_first"] = why_loses(published_row, fitting[0])
     counts = Counter(fates.get(layout, "not reached").split(":")[0] for layout in layouts)
     result = {
         "model": base.model.flavor, "world_size": dry.world_size, "device": spec.name,

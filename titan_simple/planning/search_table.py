@@ -51,16 +51,19 @@ def format_search(result: dict[str, Any]) -> str:
     ]
     for rank, row in enumerate(table, 1):
         why = f"  ({row['why_not_first']})" if rank > 1 else ""
-        mark = "  <- the config as written" if rank == published["rank"] else ""
+        mark = "  <- the config as written" if rank == published.get("rank") else ""
         lines.append(f"  {rank:>3} {row['tokens_per_second_per_gpu']:>12,.0f} {100 * row['mfu']:>5.1f}% "
                      f"{row['reserved_gib']:>6.1f} GiB {row['exposed_comm_seconds']:>10.2f} s "
                      f"{row['bubble_seconds']:>6.2f} s  {describe(row)}{why}{mark}")
-    fits = "fits" if published["fits"] else "does not fit"
-    why = f"; {published['why_not_first']}" if published.get("why_not_first") else ""
-    lines.append(f"  the config as written ({published['mesh']}): rank {published['rank']}, "
-                 f"{published['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, {published['reserved_gib']:.1f} GiB "
-                 f"reserved, {fits}{why}")
-    lines.append("  pruned: " + ", ".join(f"{n:,} {fate}" for fate, n in sorted(result["fates"].items(),
+    if "error" in published:
+        lines.append(f"  the config as written: not valid on this world ({published['error']})")
+    else:
+        fits = "fits" if published["fits"] else "does not fit"
+        why = f"; {published['why_not_first']}" if published.get("why_not_first") else ""
+        lines.append(f"  the config as written ({published['mesh']}): rank {published['rank']}, "
+                     f"{published['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, {published['reserved_gib']:.1f} "
+                     f"GiB reserved, {fits}{why}")
+    lines.append("  candidates: " + ", ".join(f"{n:,} {fate}" for fate, n in sorted(result["fates"].items(),
                                                                               key=lambda item: -item[1])))
     lines.append(f"  the fastest, to paste: {' '.join(table[0]['overrides'])}")
     lines.append("  Predictions of the dry run (held-out errors of its calibration: docs/dry_run.md); only a GPU run "

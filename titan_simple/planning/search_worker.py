@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from typing import Any
 
 from titan_simple.config import JobConfig
@@ -27,6 +28,7 @@ _WORLD: dict[str, Any] = {}
 
 def start_worker(base: JobConfig, world_size: int, device_type: str, spec: DeviceSpec) -> None:
     """Pool initializer: this process becomes rank 0 of a fake world of ``world_size``."""
+    warnings.filterwarnings("ignore")  # torch's warnings of the meta build, once per layout: the table is the output
     init_fake_process_group(0, world_size)
     _WORLD.update(base=base, world_size=world_size, device_type=device_type, spec=spec, meshes={})
 
@@ -56,8 +58,8 @@ def price(overrides: tuple[tuple[str, str], ...]) -> dict[str, Any]:
 
 def per_block(overrides: tuple[tuple[str, str], ...]) -> dict[str, float] | dict[str, str]:
     """What one transformer block costs under ``overrides`` (no pipeline): the seconds of its ops and of its
-    exposed tensor-parallel collectives per microbatch (and those of the model's ends: embedding, head, loss), and
-    the activation bytes it keeps, from traces of 1 and 2 blocks. The search's bounds use them."""
+    exposed tensor-parallel collectives per microbatch, and those of the model's ends (embedding, head, loss), from
+    traces of 1 and 2 blocks. The search's bounds use them."""
     config = apply_overrides(_WORLD["base"], overrides)
     run = checked_plan(config, _WORLD["world_size"], _WORLD["device_type"])
     if isinstance(run, str):
@@ -72,4 +74,4 @@ def per_block(overrides: tuple[tuple[str, str], ...]) -> dict[str, float] | dict
     # Tensor-parallel collectives sit on the critical path (or their async share does): in every layout's pass.
     block = b.compute_pass - a.compute_pass + b.exposed_pass - a.exposed_pass
     ends = a.compute_pass + a.exposed_pass - block  # embedding, norm, output and loss
-    return {"seconds": block, "ends_seconds": ends, "kept": b.kept - a.kept}
+    return {"seconds": block, "ends_seconds": ends}
