@@ -448,8 +448,9 @@ class DryRun:
     )
     search_workers: int = option(2, "Processes pricing layouts in parallel.")
     search_seconds: float = option(
-        240.0, "Stop pricing layouts after this many seconds (the rest are listed in search.json as not priced, "
-        "with their speed ceilings); the bounds rarely prune pipeline layouts, so a large world needs it."
+        0.0, "Stop pricing layouts this many seconds after the search starts (the rest are listed in search.json "
+        "as not priced, with their speed ceilings); 0 = 50 s up to 64 GPUs, 270 s above. The bounds rarely prune "
+        "pipeline layouts, so a large world needs it."
     )
     gpus_per_node: int = option(8, "GPUs per node of the planned cluster: tensor parallel stays inside a node.")
     full_trace: bool = option(

@@ -79,6 +79,12 @@ def _class_overrides(layout: Layout, world_size: int) -> tuple[tuple[str, str], 
             *((k, values[k]) for k in keep if k in values))
 
 
+def search_budget(seconds: float, world_size: int) -> float:
+    """``[dry_run] search_seconds``; 0: 50 s up to 64 GPUs, 270 s above (the whole search stays under a minute,
+    and under five minutes at 256 or 512 GPUs, on a 2-core CPU)."""
+    return seconds if seconds > 0 else 50.0 if world_size <= 64 else 270.0
+
+
 def _sibling_key(layout: Layout) -> tuple:
     return tuple((k, v) for k, v in layout.overrides
                  if k not in ("activation_checkpoint.mode", "activation_checkpoint.selective_ac_option"))
@@ -122,8 +128,9 @@ def run_search(config: JobConfig) -> dict[str, Any]:
     dry = config.dry_run
     world = dry.world_size
     device_type = "cpu" if dry.device == "cpu" else "cuda"
-    if dry.search_top < 1 or dry.search_workers < 1 or dry.gpus_per_node < 1 or dry.search_seconds <= 0:
-        raise ConfigError("[dry_run] search_top, search_workers, gpus_per_node and search_seconds must be positive.")
+    if dry.search_top < 1 or dry.search_workers < 1 or dry.gpus_per_node < 1 or dry.search_seconds < 0:
+        raise ConfigError("[dry_run] search_top, search_workers and gpus_per_node must be positive, search_seconds "
+                          "positive or 0 (auto).")
     measured = device_type == "cpu" and dry.collective_bandwidth
     extra = {"collective_bandwidth": dry.collective_bandwidth} if measured else {}
     spec = dataclasses.replace(device_spec(dry.device, world, **extra), gpus_per_node=dry.gpus_per_node)
@@ -149,9 +156,13 @@ def run_search(config: JobConfig) -> dict[str, Any]:
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["titan_simple.planning.search_worker", "titan_simple.planning.dry_run"])
-    with context.Pool(dry.search_workers, initializer=search_worker.start_worker,
-                      initargs=(base, world, device_type, spec)) as pool:
-        published_async = pool.apply_async(search_worker.price, ((),))
+    setup = dict(initializer=search_worker.start_worker, initargs=(base, world, device_type, spec))
+    # Pricing runs each layout in a fresh process (forked from the preloaded server), as a standalone dry run
+    # does: in a reused one, DTensor's caches warmed by earlier layouts changed one 8B layout's async-TP pricing
+    # by 2% (7,181 vs 7,304 tokens/s/GPU). The bounds' block classes reuse their processes.
+    with context.Pool(dry.search_workers, **setup) as pool, context.Pool(dry.search_workers, maxtasksperchild=1,
+                                                                          **setup) as fresh:
+        published_async = fresh.apply_async(search_worker.price, ((),))
         classes = sorted({_class_overrides(layout, world) for layout in candidates})
         phases = {"enumerate": time.perf_counter() - start}
         per_block = dict(zip(classes, pool.map(search_worker.per_block, classes), strict=True))
@@ -177,8 +188,8 @@ def run_search(config: JobConfig) -> dict[str, Any]:
                                           world, spec, dp_floor, boundary), layout))
         bounded.sort(key=lambda item: (-item[0], AC_ORDER[item[1].values["activation_checkpoint.mode"]]))
         published = published_async.get()
-        deadline = start + dry.search_seconds
-        rows, _ = _best_first(pool, bounded, fates, floors, dry.search_top, dry.search_workers,
+        deadline = start + search_budget(dry.search_seconds, world)
+        rows, _ = _best_first(fresh, bounded, fates, floors, dry.search_top, dry.search_workers,
                               Progress(len(bounded)), deadline)
     published_row = {"error": published["error"]} if "error" in published else _row(None, published)
     phases["pricing"] = time.perf_counter() - start - phases["enumerate"] - phases["classes"]
