@@ -59,14 +59,19 @@ def rank0_blocks(plan: PipelinePlan | None, n_layers: int) -> list[int]:
     return [n_layers] if plan is None else [len(plan.stage_layers[s]) for s in plan.stages_of_rank(0)]
 
 
-def memory_floor(layout: Layout, args: ModelArgs, sizes: ModelSizes, spec: DeviceSpec) -> float:
-    """Bytes on rank 0's device the dry run will predict at least (see the module docstring)."""
+def memory_floor(layout: Layout, args: ModelArgs, sizes: ModelSizes, spec: DeviceSpec, held_bytes: float = 0.0
+                 ) -> float:
+    """Bytes on rank 0's device the dry run will predict at least (see the module docstring). Where SimpleFSDP
+    gathers once per step, the unsharded weights and gradients it holds through the step add ``held_bytes`` per
+    parameter (of rank 0's, tensor-parallel sharded)."""
     plan = pipeline_of(layout, args.n_layers)
     blocks = rank0_blocks(plan, args.n_layers)
     holds_head = plan is None or plan.schedule in V_SCHEDULES
     parameters = sizes.embedding + sum(blocks) * sizes.block + (sizes.head if holds_head else 0)
     shards = layout.degree("tensor_parallel") * layout.degree("data_parallel_shard")
     static = parameters / shards * ADAM_BYTES_PER_PARAMETER
+    if layout.values.get("parallelism.fsdp_gather") == "once_per_step":
+        static += parameters / layout.degree("tensor_parallel") * held_bytes
     return static * (1 + spec.allocator_overhead) + spec.runtime_bytes
 
 

@@ -178,7 +178,11 @@ def run_search(config: JobConfig) -> dict[str, Any]:
             if "error" in block:
                 fates[layout] = f"refused by the trainer: {block['error']}"
                 continue
-            floors[layout] = memory_floor(layout, args, sizes, spec)
+            floors[layout] = floor = memory_floor(layout, args, sizes, spec, gather_bytes + reduce_bytes)
+            if floor > spec.memory_bytes:
+                fates[layout] = (f"does not fit: its AdamW state and the weights and gradients it holds through the "
+                                 f"step alone {floor / GIB:.1f} GiB")
+                continue
             tokens = base.training.seq_len * int(layout.values["training.global_batch_size"])
             dp_floor = data_parallel_floor(layout, args, sizes, spec, gather_bytes, reduce_bytes)
             tp = layout.degree("tensor_parallel")
