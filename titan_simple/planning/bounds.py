@@ -1,14 +1,14 @@
 """Cheap bounds on a layout, from the model's shapes and one traced block: what the search prunes with.
 
-``memory_floor`` is at most the memory the dry run will predict: parameters, gradients and AdamW state of rank
-0's parts, sharded by tensor parallel and the shard degree (activations are left out: a pipeline stage's blocks
-can keep less than a block of the whole model, measured on the debug model). ``speed_ceiling`` estimates from
-above the tokens/s it will predict: the compute and exposed tensor-parallel traffic of rank 0's blocks (as one
-block of the same class costs without pipeline parallel), and of the embedding, head and loss where rank 0 runs
-the head, with the pipeline bubble they imply, or the data-parallel traffic's floor where that is longer, plus
-the pipeline's send/recv, times ``CEILING_MARGIN``. It is not a proof: a block inside a pipeline stage that
-gathers once per step came out 6% cheaper than its class on the debug model, hence the margin; the search's
-test checks every priced layout of a debug search against its ceiling."""
+``memory_floor`` estimates from below the memory the dry run will predict: parameters, gradients and AdamW state
+of rank 0's parts, sharded by tensor parallel and the shard degree, the weights held under once-per-step
+gathering, and half the activations its schedule keeps in flight of its largest part, as one block of its class
+keeps them. ``speed_ceiling`` estimates from above the tokens/s it will predict: the compute and exposed
+tensor-parallel traffic of rank 0's blocks (as one block of the same class costs without pipeline parallel), and
+of the embedding, head and loss where rank 0 runs the head, with the pipeline bubble they imply, or the
+data-parallel traffic's floor where that is longer, plus the pipeline's send/recv, times ``CEILING_MARGIN``.
+Neither is a proof: blocks inside a pipeline stage came out up to 6% cheaper and kept less than their class on
+the debug model, hence the margins; the search's test checks both on every priced layout of a debug search."""
 
 from __future__ import annotations
 
@@ -20,10 +20,13 @@ from titan_simple.parallel.dims import ParallelDims
 from titan_simple.parallel.pipeline import V_SCHEDULES, PipelinePlan, _split_evenly
 from titan_simple.planning.hardware import DeviceSpec
 from titan_simple.planning.layouts import Layout
-from titan_simple.planning.report import collective_seconds, count_parameters_of, mesh_dims
+from titan_simple.planning.report import collective_seconds, count_parameters_of, in_flight_chunks, mesh_dims
 
 ADAM_BYTES_PER_PARAMETER = 16  # fp32 parameter 4 + gradient 4 + AdamW's two moments 8
 CEILING_MARGIN = 1.10  # see the module docstring
+# An interleaved debug pipeline stage's blocks kept less than its class's block x the chunks in flight (the floor
+# came out 14% above the prediction); half of that is the activations' floor.
+ACTIVATION_FLOOR_FRACTION = 0.5
 BUBBLE_FACTOR = {"InterleavedZeroBubble": 1 / 3, "ZBVZeroBubble": 1 / 3}  # as report.finish_report
 
 
@@ -59,11 +62,12 @@ def rank0_blocks(plan: PipelinePlan | None, n_layers: int) -> list[int]:
     return [n_layers] if plan is None else [len(plan.stage_layers[s]) for s in plan.stages_of_rank(0)]
 
 
-def memory_floor(layout: Layout, args: ModelArgs, sizes: ModelSizes, spec: DeviceSpec, held_bytes: float = 0.0
-                 ) -> float:
+def memory_floor(layout: Layout, args: ModelArgs, sizes: ModelSizes, spec: DeviceSpec, held_bytes: float = 0.0,
+                 kept_per_block: float = 0.0) -> float:
     """Bytes on rank 0's device the dry run will predict at least (see the module docstring). Where SimpleFSDP
     gathers once per step, the unsharded weights and gradients it holds through the step add ``held_bytes`` per
-    parameter (of rank 0's, tensor-parallel sharded)."""
+    parameter (of rank 0's, tensor-parallel sharded); the activations its schedule keeps in flight of its largest
+    part add ``kept_per_block`` per block, times ``ACTIVATION_FLOOR_FRACTION``."""
     plan = pipeline_of(layout, args.n_layers)
     blocks = rank0_blocks(plan, args.n_layers)
     holds_head = plan is None or plan.schedule in V_SCHEDULES
@@ -72,7 +76,8 @@ def memory_floor(layout: Layout, args: ModelArgs, sizes: ModelSizes, spec: Devic
     static = parameters / shards * ADAM_BYTES_PER_PARAMETER
     if layout.values.get("parallelism.fsdp_gather") == "once_per_step":
         static += parameters / layout.degree("tensor_parallel") * held_bytes
-    return static * (1 + spec.allocator_overhead) + spec.runtime_bytes
+    activations = ACTIVATION_FLOOR_FRACTION * in_flight_chunks(plan, 0) * max(blocks) * kept_per_block
+    return (static + activations) * (1 + spec.allocator_overhead) + spec.runtime_bytes
 
 
 def data_parallel_floor(layout: Layout, args: ModelArgs, sizes: ModelSizes, spec: DeviceSpec, gather_bytes: float,

@@ -6,11 +6,12 @@
    by the trainer's own ``resolve_plan``.
 2. Pruned without tracing: pins (``search_fix``), layouts the model can never rank above a sibling
    (``layouts.dominated``), and layouts whose ``bounds.memory_floor`` does not fit.
-3. One traced block per class of (replication, tensor parallel, microbatch, activation checkpointing, float8,
-   gathering) gives each layout its ``bounds.speed_ceiling``.
-4. Best first: layouts are priced in order of their ceiling by the standalone dry run itself (workers of
-   ``search_worker``), until ``search_top`` layouts that fit are faster than every ceiling left. A heavier
-   activation checkpointing of a layout whose lighter one fits is skipped (it only adds recomputation).
+3. One block per class of (replication, tensor parallel, microbatch, activation checkpointing, float8,
+   gathering), traced at 1 and 2 blocks, gives each layout its ``bounds.speed_ceiling``.
+4. Best first: layouts are priced in order of their ceiling by the standalone dry run itself (``search_worker``,
+   a fresh process per layout), until ``search_top`` layouts that fit are faster than every ceiling left or
+   the ``search_seconds`` budget runs out. A heavier activation checkpointing of a layout whose lighter one fits
+   is skipped (it only adds recomputation).
 5. The table (``search_table``) and ``search.json``: every candidate with its fate.
 """
 
@@ -178,10 +179,11 @@ def run_search(config: JobConfig) -> dict[str, Any]:
             if "error" in block:
                 fates[layout] = f"refused by the trainer: {block['error']}"
                 continue
-            floors[layout] = floor = memory_floor(layout, args, sizes, spec, gather_bytes + reduce_bytes)
+            floors[layout] = floor = memory_floor(layout, args, sizes, spec, gather_bytes + reduce_bytes,
+                                                  block["kept"])
             if floor > spec.memory_bytes:
-                fates[layout] = (f"does not fit: its AdamW state and the weights and gradients it holds through the "
-                                 f"step alone {floor / GIB:.1f} GiB")
+                fates[layout] = (f"does not fit: its AdamW state, held weights and one microbatch's activations "
+                                 f"alone {floor / GIB:.1f} GiB")
                 continue
             tokens = base.training.seq_len * int(layout.values["training.global_batch_size"])
             dp_floor = data_parallel_floor(layout, args, sizes, spec, gather_bytes, reduce_bytes)

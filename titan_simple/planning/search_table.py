@@ -51,7 +51,9 @@ def format_search(result: dict[str, Any]) -> str:
     ]
     for rank, row in enumerate(table, 1):
         why = f"  ({row['why_not_first']})" if rank > 1 else ""
-        mark = "  <- the config as written" if rank == published.get("rank") else ""
+        same = (row["tokens_per_second_per_gpu"], row["reserved_gib"]) == (
+            published.get("tokens_per_second_per_gpu"), published.get("reserved_gib"))
+        mark = "  <- the config as written" if same else ""
         lines.append(f"  {rank:>3} {row['tokens_per_second_per_gpu']:>12,.0f} {100 * row['mfu']:>5.1f}% "
                      f"{row['reserved_gib']:>6.1f} GiB {row['exposed_comm_seconds']:>10.2f} s "
                      f"{row['bubble_seconds']:>6.2f} s  {describe(row)}{why}{mark}")

@@ -3,8 +3,9 @@
 A dry run builds a fake process group and a device mesh (``dry_run.py``). DTensor caches sharding decisions
 keyed by meshes compared by value, so a process must not build a second world after destroying the first; a
 worker therefore builds its one fake world when it starts, keeps one mesh per set of degrees, and never tears
-them down. ``price`` runs exactly the standalone dry run's ``plan_report`` on a layout, so a row of the search
-is the report a ``train.py --dry_run`` of its overrides prints (``tests/test_dry_run_search.py`` checks it).
+them down. ``price`` runs exactly the standalone dry run's ``plan_report`` on a layout, in a process of its own
+(``search.py``: a reused one's warm DTensor caches changed some prices), so a row of the search is the report a
+``train.py --dry_run`` of its overrides prints (``tests/test_dry_run_search.py`` checks it).
 Workers start from a forkserver that has imported the planning stack once (about 5 s saved per worker).
 """
 
@@ -58,8 +59,8 @@ def price(overrides: tuple[tuple[str, str], ...]) -> dict[str, Any]:
 
 def per_block(overrides: tuple[tuple[str, str], ...]) -> dict[str, float] | dict[str, str]:
     """What one transformer block costs under ``overrides`` (no pipeline): the seconds of its ops and of its
-    exposed tensor-parallel collectives per microbatch, and those of the model's ends (embedding, head, loss), from
-    traces of 1 and 2 blocks. The search's bounds use them."""
+    exposed tensor-parallel collectives per microbatch, and those of the model's ends (embedding, head, loss), and
+    the activation bytes it keeps for backward, from traces of 1 and 2 blocks. The search's bounds use them."""
     config = apply_overrides(_WORLD["base"], overrides)
     run = checked_plan(config, _WORLD["world_size"], _WORLD["device_type"])
     if isinstance(run, str):
@@ -74,4 +75,4 @@ def per_block(overrides: tuple[tuple[str, str], ...]) -> dict[str, float] | dict
     # Tensor-parallel collectives sit on the critical path (or their async share does): in every layout's pass.
     block = b.compute_pass - a.compute_pass + b.exposed_pass - a.exposed_pass
     ends = a.compute_pass + a.exposed_pass - block  # embedding, norm, output and loss
-    return {"seconds": block, "ends_seconds": ends}
+    return {"seconds": block, "ends_seconds": ends, "kept": b.kept - a.kept}
