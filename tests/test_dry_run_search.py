@@ -41,7 +41,8 @@ def train(folder: Path, *args: str, output: str = "dry_run.json") -> tuple[subpr
 
 @pytest.fixture(scope="module")
 def search(tmp_path_factory) -> dict:
-    proc, result = train(tmp_path_factory.mktemp("search"), *SEARCH, "--dry_run.search", output="search.json")
+    proc, result = train(tmp_path_factory.mktemp("search"), *SEARCH, "--dry_run.search", "--dry_run.search_seconds",
+                         "40", "--dry_run.search_fix", "activation_checkpoint.mode=none", output="search.json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return result
 

@@ -280,6 +280,9 @@ def _no_fit(base, rows, floors, spec) -> ConfigError:
 def _finish(config, base, rows, published_row, fates, layouts, seconds, spec, phases, floors) -> dict[str, Any]:
     dry = config.dry_run
     fitting = sorted((r for r in rows if r["fits"]), key=lambda r: -r["tokens_per_second_per_gpu"])
+    if not fitting and any(fate.startswith("not priced") for fate in fates.values()):
+        raise ConfigError(f"[dry_run] search: the search_seconds budget ran out after {len(rows)} priced layouts, none "
+                          "of which fits; raise --dry_run.search_seconds or pin knobs with --dry_run.search_fix.")
     if not fitting:
         raise _no_fit(base, rows, floors, spec)
     for row in fitting[1:dry.search_top]:
