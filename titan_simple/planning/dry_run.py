@@ -16,9 +16,7 @@ How it works and how well it predicts published runs: ``docs/dry_run.md``.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 from typing import Any
 
 import torch.distributed as dist
@@ -32,7 +30,7 @@ from titan_simple.planning.fake_pg import init_fake_process_group
 from titan_simple.planning.hardware import DeviceSpec, device_spec
 from titan_simple.planning.rank_trace import trace_rank
 from titan_simple.planning.report import finish_report, group_names, measure_trace
-from titan_simple.planning.report_format import format_report
+from titan_simple.planning.report_format import format_report, write_json
 from titan_simple.train.plan import RunPlan, resolve_plan
 
 logger = logging.getLogger("titan_simple")
@@ -103,9 +101,5 @@ def run_dry_run(config: JobConfig, write: bool = True, spec: DeviceSpec | None =
     text = format_report(report)
     print(text, flush=True)
     if write:
-        os.makedirs(config.job.dump_folder, exist_ok=True)
-        path = os.path.join(config.job.dump_folder, "dry_run.json")
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"  written: {path}", flush=True)
+        write_json(config.job.dump_folder, "dry_run.json", report)
     return report

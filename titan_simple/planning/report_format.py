@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 from titan_simple.planning.hardware import GIB
@@ -77,3 +79,12 @@ def format_report(r: dict[str, Any]) -> str:
         f"(traced in {r['trace_seconds']:.1f} s)",
     ]
     return "\n".join(lines)
+
+
+def write_json(folder: str, name: str, data: dict[str, Any]) -> None:
+    """``data`` as ``folder/name`` (the dump folder's dry_run.json or search.json), and a line saying where."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    print(f"  written: {path}", flush=True)

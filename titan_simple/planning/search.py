@@ -40,6 +40,7 @@ from titan_simple.planning.layouts import (
     matches,
     model_of,
 )
+from titan_simple.planning.report_format import write_json
 from titan_simple.planning.search_table import format_search, why_loses
 
 AC_ORDER = {"none": 0, "selective": 1, "full": 2}
@@ -301,11 +302,7 @@ def _finish(config, base, rows, published_row, fates, layouts, seconds, spec, ph
         "candidates": [{"layout": layout.command(), "fate": fates.get(layout, "not reached")} for layout in layouts],
     }
     print(format_search(result), flush=True)
-    os.makedirs(base.job.dump_folder, exist_ok=True)
-    path = os.path.join(base.job.dump_folder, "search.json")
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1)
-    print(f"  written: {path}", flush=True)
+    write_json(base.job.dump_folder, "search.json", result)
     return result
 
 
