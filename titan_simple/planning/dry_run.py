@@ -29,13 +29,27 @@ from titan_simple.planning.depth import TRACED_BLOCKS, extrapolate, extrapolatio
 from titan_simple.planning.fake_pg import init_fake_process_group
 from titan_simple.planning.hardware import DeviceSpec, device_spec
 from titan_simple.planning.rank_trace import trace_rank
-from titan_simple.planning.report import finish_report, group_names, measure_trace
+from titan_simple.planning.report import Measured, finish_report, group_names, measure_trace
 from titan_simple.planning.report_format import format_report, write_json
 from titan_simple.train.plan import RunPlan, resolve_plan
 
 logger = logging.getLogger("titan_simple")
 
 _RAN = False
+
+
+def measure_short(run: RunPlan, mesh: DeviceMesh | None, spec: DeviceSpec, blocks_per_part: int) -> Measured:
+    """``run`` with ``blocks_per_part`` transformer blocks per local part, traced and measured on ``mesh``."""
+    model = dataclasses.replace(run.config.model, n_layers=reduced_layers(run, blocks_per_part))
+    short = resolve_plan(dataclasses.replace(run.config, model=model), run.dims.world_size, run.device_type)
+    return measure_trace(short, trace_rank(short, mesh), spec, group_names(mesh, run.dims))
+
+
+def planned_device(dry_run) -> DeviceSpec:
+    """The device of ``[dry_run]``: its table entry, or this CPU's measured rates."""
+    measured = dry_run.device == "cpu" and dry_run.collective_bandwidth
+    extra = {"collective_bandwidth": dry_run.collective_bandwidth} if measured else {}
+    return device_spec(dry_run.device, dry_run.world_size, **extra)
 
 
 def plan_report(run: RunPlan, mesh: DeviceMesh | None, pp_rank: int, rank: int, spec: DeviceSpec) -> dict[str, Any]:
@@ -45,11 +59,7 @@ def plan_report(run: RunPlan, mesh: DeviceMesh | None, pp_rank: int, rank: int, 
     blocks = extrapolation_blocks(run, pp_rank)
     if blocks is None:
         return finish_report(run, pp_rank, rank, measure_trace(run, trace_rank(run, mesh), spec, names), spec)
-    measured = []
-    for per_part in TRACED_BLOCKS:
-        model = dataclasses.replace(run.config.model, n_layers=reduced_layers(run, per_part))
-        short = resolve_plan(dataclasses.replace(run.config, model=model), run.dims.world_size, run.device_type)
-        measured.append(measure_trace(short, trace_rank(short, mesh), spec, names))
+    measured = [measure_short(run, mesh, spec, per_part) for per_part in TRACED_BLOCKS]
     report = finish_report(run, pp_rank, rank, extrapolate(*measured, blocks), spec)
     report["traced_blocks_per_part"] = list(TRACED_BLOCKS)
     return report
@@ -84,9 +94,7 @@ def run_dry_run(config: JobConfig, write: bool = True, spec: DeviceSpec | None =
         raise ConfigError(f"[dry_run] rank = {dry_run.rank} is not a rank of world_size = {dry_run.world_size}; "
                           f"use 0 .. {dry_run.world_size - 1}.")
     if spec is None:
-        measured = dry_run.device == "cpu" and dry_run.collective_bandwidth
-        extra = {"collective_bandwidth": dry_run.collective_bandwidth} if measured else {}
-        spec = device_spec(dry_run.device, dry_run.world_size, **extra)
+        spec = planned_device(dry_run)
 
     if run.float8 is not None and spec.float8_peak_flops is None:
         raise ConfigError(f"[model] converters = ['float8'] needs float8 matmuls, which {spec.name} does not have: "

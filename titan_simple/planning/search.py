@@ -30,7 +30,8 @@ from titan_simple.config import JobConfig
 from titan_simple.errors import ConfigError
 from titan_simple.planning import search_worker
 from titan_simple.planning.bounds import ModelSizes, data_parallel_floor, memory_floor, speed_ceiling
-from titan_simple.planning.hardware import GIB, device_spec
+from titan_simple.planning.dry_run import planned_device
+from titan_simple.planning.hardware import GIB
 from titan_simple.planning.layouts import (
     Layout,
     apply_overrides,
@@ -133,9 +134,7 @@ def run_search(config: JobConfig) -> dict[str, Any]:
     if dry.search_top < 1 or dry.search_workers < 1 or dry.gpus_per_node < 1 or dry.search_seconds < 0:
         raise ConfigError("[dry_run] search_top, search_workers and gpus_per_node must be positive, search_seconds "
                           "positive or 0 (auto).")
-    measured = device_type == "cpu" and dry.collective_bandwidth
-    extra = {"collective_bandwidth": dry.collective_bandwidth} if measured else {}
-    spec = dataclasses.replace(device_spec(dry.device, world, **extra), gpus_per_node=dry.gpus_per_node)
+    spec = dataclasses.replace(planned_device(dry), gpus_per_node=dry.gpus_per_node)
     base = dataclasses.replace(config, dry_run=dataclasses.replace(dry, search=False))
     pins = parse_pins(base)
     args = model_of(base)

@@ -11,18 +11,14 @@ Workers start from a forkserver that has imported the planning stack once (about
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
 from typing import Any
 
 from titan_simple.config import JobConfig
-from titan_simple.planning.depth import reduced_layers
 from titan_simple.planning.fake_pg import init_fake_process_group
 from titan_simple.planning.hardware import DeviceSpec
 from titan_simple.planning.layouts import apply_overrides, checked_plan
-from titan_simple.planning.rank_trace import trace_rank
-from titan_simple.planning.report import group_names, measure_trace
 
 _WORLD: dict[str, Any] = {}
 
@@ -66,12 +62,10 @@ def per_block(overrides: tuple[tuple[str, str], ...]) -> dict[str, float] | dict
     if isinstance(run, str):
         return {"error": run}
     mesh = _mesh(run)
-    measured = []
-    for blocks in (1, 2):  # compute and kept bytes are linear from one block on (the peak is not: depth.py)
-        model = dataclasses.replace(run.config.model, n_layers=reduced_layers(run, blocks))
-        short = checked_plan(dataclasses.replace(run.config, model=model), _WORLD["world_size"], _WORLD["device_type"])
-        measured.append(measure_trace(short, trace_rank(short, mesh), _WORLD["spec"], group_names(mesh, run.dims)))
-    a, b = measured
+    from titan_simple.planning.dry_run import measure_short  # noqa: PLC0415
+
+    # compute and kept bytes are linear from one block on (the peak is not: depth.py)
+    a, b = (measure_short(run, mesh, _WORLD["spec"], blocks) for blocks in (1, 2))
     # Tensor-parallel collectives sit on the critical path (or their async share does): in every layout's pass.
     block = b.compute_pass - a.compute_pass + b.exposed_pass - a.exposed_pass
     ends = a.compute_pass + a.exposed_pass - block  # embedding, norm, output and loss
