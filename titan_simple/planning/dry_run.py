@@ -27,7 +27,7 @@ from titan_simple.errors import ConfigError
 from titan_simple.parallel.dims import ParallelDims
 from titan_simple.planning.depth import TRACED_BLOCKS, extrapolate, extrapolation_blocks, reduced_layers
 from titan_simple.planning.fake_pg import init_fake_process_group
-from titan_simple.planning.hardware import DeviceSpec, device_spec
+from titan_simple.planning.hardware import DeviceSpec, planned_device
 from titan_simple.planning.rank_trace import trace_rank
 from titan_simple.planning.report import Measured, finish_report, group_names, measure_trace
 from titan_simple.planning.report_format import format_report, write_json
@@ -43,13 +43,6 @@ def measure_short(run: RunPlan, mesh: DeviceMesh | None, spec: DeviceSpec, block
     model = dataclasses.replace(run.config.model, n_layers=reduced_layers(run, blocks_per_part))
     short = resolve_plan(dataclasses.replace(run.config, model=model), run.dims.world_size, run.device_type)
     return measure_trace(short, trace_rank(short, mesh), spec, group_names(mesh, run.dims))
-
-
-def planned_device(dry_run) -> DeviceSpec:
-    """The device of ``[dry_run]``: its table entry, or this CPU's measured rates."""
-    measured = dry_run.device == "cpu" and dry_run.collective_bandwidth
-    extra = {"collective_bandwidth": dry_run.collective_bandwidth} if measured else {}
-    return device_spec(dry_run.device, dry_run.world_size, **extra)
 
 
 def plan_report(run: RunPlan, mesh: DeviceMesh | None, pp_rank: int, rank: int, spec: DeviceSpec) -> dict[str, Any]:

@@ -103,3 +103,10 @@ def measure_cpu(world_size: int, collective_bandwidth: float | None = None) -> D
 def device_spec(name: str, world_size: int = 1, **overrides: float) -> DeviceSpec:
     spec = measure_cpu(world_size, overrides.pop("collective_bandwidth", None)) if name == "cpu" else DEVICES[name]
     return dataclasses.replace(spec, **overrides) if overrides else spec
+
+
+def planned_device(dry_run) -> DeviceSpec:
+    """The device of a config's ``[dry_run]``: its table entry, or this CPU's measured rates."""
+    measured = dry_run.device == "cpu" and dry_run.collective_bandwidth
+    extra = {"collective_bandwidth": dry_run.collective_bandwidth} if measured else {}
+    return device_spec(dry_run.device, dry_run.world_size, **extra)

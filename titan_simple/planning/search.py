@@ -30,8 +30,7 @@ from titan_simple.config import JobConfig
 from titan_simple.errors import ConfigError
 from titan_simple.planning import search_worker
 from titan_simple.planning.bounds import ModelSizes, data_parallel_floor, memory_floor, speed_ceiling
-from titan_simple.planning.dry_run import planned_device
-from titan_simple.planning.hardware import GIB
+from titan_simple.planning.hardware import GIB, planned_device
 from titan_simple.planning.layouts import (
     Layout,
     apply_overrides,
