@@ -29,8 +29,9 @@ CASES = {
             ["--config", "llama3_70b.toml", "--dry_run.world_size", "256", "--training.local_batch_size", "16",
              "--parallelism.enable_async_tensor_parallel"], 300),
     "405b": ("Llama 3 405B on 512 H100s (TorchTitan's published 405B run: FSDP8 x TP8 x PP8, Interleaved 1F1B, "
-             "lbs 32, full AC, async TP; here in bf16)",
-             ["--config", "llama3_405b.toml", "--dry_run.world_size", "512"], 600),
+             "lbs 32 as 8 microbatches of 4, full AC, async TP; here in bf16)",
+             ["--config", "llama3_405b.toml", "--dry_run.world_size", "512",
+              "--parallelism.pipeline_parallel_microbatch_size", "4"], 600),
 }
 BEGIN, END = "<!-- layout search tables: begin (scripts/benchmark_search.py) -->", "<!-- layout search tables: end -->"
 
