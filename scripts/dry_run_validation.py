@@ -85,8 +85,8 @@ CASES: list[tuple[str, list[str], tuple[float, float] | None, tuple[float, float
       "--dry_run.comm_overlap", "overlapped", *FLOAT8, *BF16_GATHER], (8532, 8532), (76.8, 76.8)),
     ("70B float8 + async TP as above, weights gathered in bf16",
      ["--config", "llama3_70b.toml", "--dry_run.world_size", "256", "--dry_run.comm_overlap", "overlapped",
-      "--training.local_batch_size", "16", "--parallelism.enable_async_tensor_parallel", *FLOAT8, *BF16_GATHER],
-     (942, 942), None),
+      "--training.local_batch_size", "16", "--parallelism.enable_async_tensor_parallel", *FLOAT8, *BF16_GATHER,
+      *PLAIN_LOSS], (942, 942), None),
     ("405B float8 Interleaved 1F1B as published, weights gathered in bf16 (not published: TorchTitan's 405B config "
      "gathered them in float8)", [*TT_405B, *FLOAT8, *BF16_GATHER], None, None),
     ("405B shipped config (32 microbatches of 1), float8 (not published)", [*SHIPPED_405B, *FLOAT8], None, None),
@@ -128,7 +128,8 @@ def main() -> None:
         mem_err = "-" if mem is None else error(reserved, *mem)
         tps_err = "-" if tps is None else error(t, *tps)
         tps_pub = "-" if tps is None else f"{tps[0]:,.0f}" if tps[0] == tps[1] else f"{tps[0]:,.0f}-{tps[1]:,.0f}"
-        role = "fit" if index == FIT_CASE else "fit (float8 GEMMs)" if index == FLOAT8_FIT_CASE else "held out"
+        role = ("fit" if index == FIT_CASE else "fit (float8 GEMMs)" if index == FLOAT8_FIT_CASE
+                else "held out" if tps or mem else "-")
         print(f"| {name} | {role} | {peak:.1f} | {reserved:.1f} | {mem_pub} | {mem_err} | "
               f"{r['roofline_tokens_per_second_per_gpu']:,.0f} | {t:,.0f} | {tps_pub} | {tps_err} | "
               f"{100 * r['mfu']:.1f}% |", flush=True)
