@@ -25,7 +25,7 @@ from titan_simple.parallel.simple_fsdp import MixedPrecisionPolicy, chunk_rows, 
 from titan_simple.parallel.step_gather import StepGather
 from titan_simple.train.plan import choose_gather_mode
 
-STEPS = 10
+STEPS = 4  # steps 2-4 run on Adam's state and the gathered weights of updated shards
 N_LAYERS = 4  # debug model blocks: 2 per pipeline stage
 BLOCKS = (f"--model.n_layers={N_LAYERS}",)
 ACCUMULATION = Recipe(global_batch=8, steps=STEPS, extra=BLOCKS)  # 2 dp ranks x 4 accumulation steps of 1 sequence
@@ -88,19 +88,19 @@ def _train(config, world_size: int, recipe: Recipe, batches_per_step: int, count
         inputs, labels = recipe.batch(step)
         inputs, labels = inputs[mine], labels[mine]
         batches = [(inputs[i::batches_per_step], labels[i::batches_per_step]) for i in range(batches_per_step)]
-        counter = CollectiveCounter()
         events.clear()
-        counter.events = events
-        if count:
+        if count and step == recipe.steps - 1:  # the last step's collectives (the dispatch mode slows every op)
+            counter = CollectiveCounter()
+            counter.events = events
             with counter:
                 result = layout.step(batches)
+            out["collectives"] = counter.counts
+            out["events"] = list(events)
         else:
             result = layout.step(batches)
         loss_sum = result.loss_sum.clone()
         dist.all_reduce(loss_sum, group=layout.mesh["dp_shard"].get_group())
         out["losses"].append(loss_sum.item() / result.global_tokens)
-        out["collectives"] = counter.counts
-        out["events"] = list(events)  # the last step's
     gather = layout.parts.step_gather
     out["buckets"] = None if gather is None else len(gather.buckets)
     out["stages"] = [s.stage_index for s in layout.parts.pipeline.stages] if layout.parts.pipeline else None
@@ -119,6 +119,9 @@ CASES = {
     "once_per_step": ("--parallelism.fsdp_gather=once_per_step",),
     "once_per_step/compiled": ("--parallelism.fsdp_gather=once_per_step", "--compile.enable"),
 }
+# Compiled once-per-step gathering under pipeline parallel is what the plan picks by itself there, trained against
+# one process by tests/test_pipeline.py (Interleaved1F1B/compiled) and tests/test_composition.py.
+PIPELINE_CASES = {name: extra for name, extra in CASES.items() if "compiled" not in name}
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +136,7 @@ def pipeline() -> list[dict]:
     layout = ("--parallelism.data_parallel_shard_degree=2", "--parallelism.pipeline_parallel_degree=2",
               "--parallelism.pipeline_parallel_schedule=1F1B", "--training.local_batch_size=8",
               "--parallelism.pipeline_parallel_microbatch_size=1")
-    return run_on_ranks(_run, 4, args=(PIPELINE, layout, 1, CASES))
+    return run_on_ranks(_run, 4, args=(PIPELINE, layout, 1, PIPELINE_CASES))
 
 
 @pytest.mark.slow
@@ -193,7 +196,6 @@ def test_pipeline_gathers_once_per_step(pipeline):
                                                         "reduce_scatter_tensor": buckets}
         assert max_rel_diff(rank["per_microbatch"]["losses"], reference) <= EAGER_RTOL
         assert max_rel_diff(rank["once_per_step"]["losses"], reference) <= EAGER_RTOL
-        assert max_rel_diff(rank["once_per_step/compiled"]["losses"], reference) <= COMPILED_RTOL
 
 
 # ---------------------------------------------------------------------------------------------- the pieces
