@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -105,7 +106,7 @@ def _tp_collectives(tmp_path: Path, *ac: str) -> dict[tuple[str, str], int]:
     folder = tmp_path / "_".join(ac or ("none",)).replace("-", "")
     subprocess.run(
         [sys.executable, "train.py", "--dry_run", "--config", "llama3_debug.toml", "--dry_run.world_size", "4",
-         "--dry_run.device", "cpu", "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "64",
+         "--dry_run.device", "h100", "--parallelism.tensor_parallel_degree", "2", "--training.seq_len", "64",
          "--training.local_batch_size", "2", "--job.dump_folder", str(folder), *ac],
         cwd=PROJECT_DIR, check=True, capture_output=True, timeout=600,
     )
@@ -117,13 +118,13 @@ def _tp_collectives(tmp_path: Path, *ac: str) -> dict[tuple[str, str], int]:
 def test_selective_op_ac_never_reruns_a_tensor_parallel_collective(tmp_path):
     """dp2 x tp2 (the dry run's trace of one step, recomputation included): with the op-level policies the
     tensor-parallel collectives run exactly as often as without checkpointing; full AC reruns them."""
-    plain = _tp_collectives(tmp_path)
+    settings = [(), *[("--activation_checkpoint.mode=selective", f"--activation_checkpoint.selective_ac_option={o}")
+                      for o in ("op", "op_all_matmuls")], ("--activation_checkpoint.mode=full",)]
+    with ThreadPoolExecutor(2) as pool:  # each dry run is one single-threaded process: two at a time
+        plain, *selective, full = pool.map(lambda ac: _tp_collectives(tmp_path, *ac), settings)
     tp = {key: n for key, n in plain.items() if key[0] == "tp"}
     assert tp and all(n > 0 for n in tp.values())
-    for option in ("op", "op_all_matmuls"):
-        counts = _tp_collectives(tmp_path, "--activation_checkpoint.mode=selective",
-                                 f"--activation_checkpoint.selective_ac_option={option}")
+    for option, counts in zip(("op", "op_all_matmuls"), selective, strict=True):
         assert {key: n for key, n in counts.items() if key[0] == "tp"} == tp, option
-    full = _tp_collectives(tmp_path, "--activation_checkpoint.mode=full")
     assert sum(n for key, n in full.items() if key[0] == "tp") > sum(tp.values())
 
