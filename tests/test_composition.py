@@ -9,8 +9,8 @@ ranks); the loop is the trainer's own step (``tests/parity.py``), which runs the
 Measured on 2 CPU cores, torch 2.13 (largest relative difference of the per-step losses from the reference,
 where printed): tp2 x pp2 compiled 1.2e-7; dp_replicate2 x tp2 eager 1.2e-7; dp_shard2 x tp2 x pp2
 (8 processes) eager 1.2e-7; dp_shard2 x tp2 compiled with transformer_block bucketing + reorder 1.2e-7
-(auto bucketing also gave 1.2e-7 here; test_tensor_parallel.py now trains transformer_block and auto bucketing on
-dp2 x tp2 against one process). Asserted: 1e-6 eager, 1e-5 compiled (test_pipeline's tolerances); gradient norms
+(auto bucketing also gave 1.2e-7 here; test_tensor_parallel.py trains transformer_block bucketing on dp2 x tp2
+against one process). Asserted: 1e-6 eager, 1e-5 compiled (test_pipeline's tolerances); gradient norms
 1e-4 (torch's fp32 CPU norm of the sharded output-projection gradient; see test_tensor_parallel.py).
 (Those differences were measured with 6 blocks; with 2 the layouts pass the same tolerances.) Runtime of the
 jobs alone: 47 s for the 4-process one, 46 s for the 8-process one (2026-11-26, 2 blocks; 97 / 72 s with 6).
@@ -59,8 +59,8 @@ COMPILE = ("--compile.enable",)
 # Compiled layouts run first in each job (historical: a pipelined TP model compiled after the same layout ran
 # eagerly in the process failed with "Node tangents_2 was invalid, but is output"; the cause was two equal but
 # distinct tp DeviceMesh objects, fixed by dims.tensor_parallel_mesh, scripts/repro_tp_pp_whole_stage_compile.py).
+# tp2 x pp2 compiled is the 8-process layout's (with dp_shard2) and the 405B config test's (Interleaved1F1B).
 FOUR_RANK_CONFIGS = {
-    "tp2_pp2/compiled": _layout(1, 1, 2, 2, *COMPILE),
     "dp_replicate2_tp2/compiled": _layout(2, 1, 2, 1, *COMPILE),
     "tp2_pp2/eager": _layout(tp=2, pp=2),
     "dp_replicate2_tp2/eager": _layout(dp_replicate=2, tp=2),
@@ -72,7 +72,7 @@ EIGHT_RANK_CONFIGS = {
     "dp_shard2_tp2_pp2/compiled": _layout(1, 2, 2, 2, *COMPILE),
 }
 
-# Bucketing and reordering on the 2-D (dp, tp) mesh: test_tensor_parallel.py trains transformer_block and auto
+# Bucketing and reordering on the 2-D (dp, tp) mesh: test_tensor_parallel.py trains transformer_block
 # against one process, and the compiled dp_shard2 x tp2 x pp2 layout here (bucketed by default) too.
 
 
