@@ -83,6 +83,11 @@ def _is_config_section(node: ast.Attribute) -> bool:
     return name == "config"
 
 
+def _is_module(dotted: str) -> bool:
+    path = REPO.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
 def _titan_imports() -> dict[str, set[str]]:
     edges: dict[str, set[str]] = collections.defaultdict(set)
     for path in (REPO / "titan_simple").rglob("*.py"):
@@ -90,6 +95,8 @@ def _titan_imports() -> dict[str, set[str]]:
         for node in ast.walk(ast.parse(path.read_text())):  # lazy imports inside functions count too
             names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module
                      else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            if isinstance(node, ast.ImportFrom) and node.module:  # from package import module
+                names += [f"{node.module}.{a.name}" for a in node.names if _is_module(f"{node.module}.{a.name}")]
             edges[module] |= {n for n in names if n.startswith("titan_simple.")}
     return edges
 

@@ -6,10 +6,11 @@ collective seconds, counts, peaks) grows by the same amount with each block a ra
 the rank with 2 and with 3 blocks per local model part (per pipeline stage) and extends the line to the full
 depth: ``full = m2 + (m3 - m2) x (blocks - 2)``. (Not 1 and 2: with one block per part the peak can sit
 elsewhere; 405B's pipeline rank peaks in backward at 1 block, in the once-per-step reduce from 2 on.)
-The result matches a full trace to float rounding (``tests/test_dry_run_depth.py`` compares them on the shipped
-layouts) in a fraction of its time, which is what lets the layout search (``search.py``) price thousands of
-layouts. Layouts whose blocks are not alike
-fall back to the full trace (``extrapolation_blocks`` says which).
+The result matches a full trace to float rounding (``tests/test_dry_run_search.py`` compares them on a
+tensor- and pipeline-parallel layout) in a fraction of its time, which is what lets the layout search
+(``search.py``) price thousands of layouts. Layouts whose blocks are not alike fall back to the full trace
+(``extrapolation_blocks`` says which). ``plan_report`` is the one report of a layout that the standalone dry run
+(``dry_run.py``) and the search's workers (``search_worker.py``) both print.
 """
 
 from __future__ import annotations
@@ -17,8 +18,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from titan_simple.planning.report import Measured
-from titan_simple.train.plan import RunPlan
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_simple.planning.hardware import DeviceSpec
+from titan_simple.planning.rank_trace import trace_rank
+from titan_simple.planning.report import Measured, finish_report, group_names, measure_trace
+from titan_simple.train.plan import RunPlan, resolve_plan
 
 TRACED_BLOCKS = (2, 3)  # blocks per part of the two short traces
 MIN_BLOCKS = 5  # below this many blocks per part, the full trace is about as cheap: take it
@@ -73,3 +78,23 @@ def extrapolate(m1: Measured, m2: Measured, blocks: float) -> Measured:
     values = {f.name: _line(getattr(m1, f.name), getattr(m2, f.name), k) for f in dataclasses.fields(Measured)}
     values["trace_seconds"] = m1.trace_seconds + m2.trace_seconds
     return Measured(**values)
+
+
+def measure_short(run: RunPlan, mesh: DeviceMesh | None, spec: DeviceSpec, blocks_per_part: int) -> Measured:
+    """``run`` with ``blocks_per_part`` transformer blocks per local part, traced and measured on ``mesh``."""
+    model = dataclasses.replace(run.config.model, n_layers=reduced_layers(run, blocks_per_part))
+    short = resolve_plan(dataclasses.replace(run.config, model=model), run.dims.world_size, run.device_type)
+    return measure_trace(short, trace_rank(short, mesh), spec, group_names(mesh, run.dims))
+
+
+def plan_report(run: RunPlan, mesh: DeviceMesh | None, pp_rank: int, rank: int, spec: DeviceSpec) -> dict[str, Any]:
+    """The report of ``run``'s ``rank`` on ``mesh`` (inside the fake process group): traces of 2 and 3 blocks per
+    local part carried to the full depth (``depth.py``), or the full trace where blocks are not alike."""
+    names = group_names(mesh, run.dims)
+    blocks = extrapolation_blocks(run, pp_rank)
+    if blocks is None:
+        return finish_report(run, pp_rank, rank, measure_trace(run, trace_rank(run, mesh), spec, names), spec)
+    measured = [measure_short(run, mesh, spec, per_part) for per_part in TRACED_BLOCKS]
+    report = finish_report(run, pp_rank, rank, extrapolate(*measured, blocks), spec)
+    report["traced_blocks_per_part"] = list(TRACED_BLOCKS)
+    return report

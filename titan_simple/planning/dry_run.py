@@ -7,7 +7,8 @@ degrees are checked exactly as for training and the device mesh is built. Then, 
 
 * ``rank_trace.trace_rank``: this rank's model parts by the real recipe on the meta device, and one traced
   training step (every op, saved activation and collective, with this rank's shapes; nothing allocated);
-* ``report.build_report``: the memory / time model over that trace (roofline, collectives, pipeline bubble, MFU);
+* ``report.measure_trace`` / ``finish_report``: the memory / time model over that trace (roofline, collectives,
+  pipeline bubble, MFU), taken on 2 and 3 blocks per stage and carried to the full depth (``depth.plan_report``);
 * ``report_format.format_report``: the table printed here; the report itself is written as ``dry_run.json``.
 
 How it works and how well it predicts published runs: ``docs/dry_run.md``.
@@ -20,42 +21,19 @@ import logging
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh
 
 from titan_simple.config import JobConfig
 from titan_simple.errors import ConfigError
 from titan_simple.parallel.dims import ParallelDims
-from titan_simple.planning.depth import TRACED_BLOCKS, extrapolate, extrapolation_blocks, reduced_layers
+from titan_simple.planning.depth import plan_report
 from titan_simple.planning.fake_pg import init_fake_process_group
 from titan_simple.planning.hardware import DeviceSpec, planned_device
-from titan_simple.planning.rank_trace import trace_rank
-from titan_simple.planning.report import Measured, finish_report, group_names, measure_trace
 from titan_simple.planning.report_format import format_report, write_json
-from titan_simple.train.plan import RunPlan, resolve_plan
+from titan_simple.train.plan import resolve_plan
 
 logger = logging.getLogger("titan_simple")
 
 _RAN = False
-
-
-def measure_short(run: RunPlan, mesh: DeviceMesh | None, spec: DeviceSpec, blocks_per_part: int) -> Measured:
-    """``run`` with ``blocks_per_part`` transformer blocks per local part, traced and measured on ``mesh``."""
-    model = dataclasses.replace(run.config.model, n_layers=reduced_layers(run, blocks_per_part))
-    short = resolve_plan(dataclasses.replace(run.config, model=model), run.dims.world_size, run.device_type)
-    return measure_trace(short, trace_rank(short, mesh), spec, group_names(mesh, run.dims))
-
-
-def plan_report(run: RunPlan, mesh: DeviceMesh | None, pp_rank: int, rank: int, spec: DeviceSpec) -> dict[str, Any]:
-    """The report of ``run``'s ``rank`` on ``mesh`` (inside the fake process group): traces of 2 and 3 blocks per
-    local part carried to the full depth (``depth.py``), or the full trace where blocks are not alike."""
-    names = group_names(mesh, run.dims)
-    blocks = extrapolation_blocks(run, pp_rank)
-    if blocks is None:
-        return finish_report(run, pp_rank, rank, measure_trace(run, trace_rank(run, mesh), spec, names), spec)
-    measured = [measure_short(run, mesh, spec, per_part) for per_part in TRACED_BLOCKS]
-    report = finish_report(run, pp_rank, rank, extrapolate(*measured, blocks), spec)
-    report["traced_blocks_per_part"] = list(TRACED_BLOCKS)
-    return report
 
 
 def run_dry_run(config: JobConfig, write: bool = True, spec: DeviceSpec | None = None) -> dict[str, Any]:

@@ -24,9 +24,13 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from titan_simple.planning.measuring import copy_bytes, copy_seconds, matmul_flops, matmul_seconds, torch_threads
 from titan_simple.train.metrics import PEAK_BF16_TFLOPS
+
+if TYPE_CHECKING:
+    from titan_simple.config import DryRun
 
 GIB = 1024**3
 
@@ -105,7 +109,7 @@ def device_spec(name: str, world_size: int = 1, **overrides: float) -> DeviceSpe
     return dataclasses.replace(spec, **overrides) if overrides else spec
 
 
-def planned_device(dry_run) -> DeviceSpec:
+def planned_device(dry_run: DryRun) -> DeviceSpec:
     """The device of a config's ``[dry_run]``: its table entry, or this CPU's measured rates."""
     measured = dry_run.device == "cpu" and dry_run.collective_bandwidth
     extra = {"collective_bandwidth": dry_run.collective_bandwidth} if measured else {}

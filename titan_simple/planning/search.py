@@ -155,7 +155,7 @@ def run_search(config: JobConfig) -> dict[str, Any]:
             candidates.append(layout)
 
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["titan_simple.planning.search_worker", "titan_simple.planning.dry_run"])
+    context.set_forkserver_preload(["titan_simple.planning.search_worker"])
     setup = dict(initializer=search_worker.start_worker, initargs=(base, world, device_type, spec))
     # Pricing runs each layout in a fresh process (forked from the preloaded server), as a standalone dry run
     # does: in a reused one, DTensor's caches warmed by earlier layouts changed one 8B layout's async-TP pricing

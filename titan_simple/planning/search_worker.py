@@ -3,9 +3,9 @@
 A dry run builds a fake process group and a device mesh (``dry_run.py``). DTensor caches sharding decisions
 keyed by meshes compared by value, so a process must not build a second world after destroying the first; a
 worker therefore builds its one fake world when it starts, keeps one mesh per set of degrees, and never tears
-them down. ``price`` runs exactly the standalone dry run's ``plan_report`` on a layout, in a process of its own
-(``search.py``: a reused one's warm DTensor caches changed some prices), so a row of the search is the report a
-``train.py --dry_run`` of its overrides prints (``tests/test_dry_run_search.py`` checks it).
+them down. ``price`` runs exactly the standalone dry run's ``depth.plan_report`` on a layout, in a process of
+its own (``search.py``: a reused one's warm DTensor caches changed some prices), so a row of the search is the
+report a ``train.py --dry_run`` of its overrides prints (``tests/test_dry_run_search.py`` checks it).
 Workers start from a forkserver that has imported the planning stack once (about 5 s saved per worker).
 """
 
@@ -16,6 +16,7 @@ import warnings
 from typing import Any
 
 from titan_simple.config import JobConfig
+from titan_simple.planning.depth import measure_short, plan_report
 from titan_simple.planning.fake_pg import init_fake_process_group
 from titan_simple.planning.hardware import DeviceSpec
 from titan_simple.planning.layouts import apply_overrides, checked_plan
@@ -40,8 +41,6 @@ def _mesh(run):
 
 def price(overrides: tuple[tuple[str, str], ...]) -> dict[str, Any]:
     """The dry-run report of the base config with ``overrides`` (``{"error": ...}`` if the trainer refuses it)."""
-    from titan_simple.planning.dry_run import plan_report  # noqa: PLC0415 (dry_run imports this module's peers)
-
     start = time.perf_counter()
     config = apply_overrides(_WORLD["base"], overrides)
     run = checked_plan(config, _WORLD["world_size"], _WORLD["device_type"])
@@ -62,8 +61,6 @@ def per_block(overrides: tuple[tuple[str, str], ...]) -> dict[str, float] | dict
     if isinstance(run, str):
         return {"error": run}
     mesh = _mesh(run)
-    from titan_simple.planning.dry_run import measure_short  # noqa: PLC0415
-
     # compute and kept bytes are linear from one block on (the peak is not: depth.py)
     a, b = (measure_short(run, mesh, _WORLD["spec"], blocks) for blocks in (1, 2))
     # Tensor-parallel collectives sit on the critical path (or their async share does): in every layout's pass.
