@@ -8,6 +8,7 @@ them with what another layout loads.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import shutil
 import signal
@@ -336,3 +337,24 @@ def test_reshard_fully_shard_two_ranks_to_one_four_tensor_and_pipeline_parallel(
             losses = results[0]["losses"]
         assert len(losses) == 2 and all(0 < loss < 8 for loss in losses), name  # training continues
         assert complete_steps(target / "checkpoint") == [8], name
+
+
+def test_resuming_with_another_rope_stops_with_the_fix_and_an_initial_load_warns(tmp_path, caplog):
+    """A run saved with plain RoPE (as every 8B/70B/405B run was before those flavors became Llama 3.1's) does not
+    silently resume with scaled RoPE; ``--model.rope_scaling none`` continues it; starting a new run from it with
+    other RoPE (a context extension) is allowed, with a warning."""
+    tied = ["--model.flavor", "debugmodel_tied", "--model.n_layers", "1", "--checkpoint.enable"]
+    make_trainer(tmp_path, *tied, "--model.rope_scaling", "none", steps=1).train()
+    step = tmp_path / "checkpoint" / "step-1"
+    marker = json.loads((step / MARKER).read_text())
+    marker["model_args"]["rope_scaling"] = False  # as complete.json recorded it before the scaling had parameters
+    (step / MARKER).write_text(json.dumps(marker))
+    with pytest.raises(ConfigError, match=r"rope_scaling none \(this run: llama3 factor 32, .*--model.rope_scaling "
+                                          r"none to continue") as error:
+        make_trainer(tmp_path, *tied, steps=2)
+    assert "\n" not in str(error.value)
+    assert make_trainer(tmp_path, *tied, "--model.rope_scaling", "none", steps=2).step == 1
+    with caplog.at_level(logging.WARNING, logger="titan_simple"):
+        extended = make_trainer(tmp_path / "extended", "--model.flavor", "debugmodel_tied", "--model.n_layers", "1",
+                                "--checkpoint.initial_load_path", str(step), steps=1)
+    assert extended.step == 0 and "starting from its weights with this run's settings" in caplog.text

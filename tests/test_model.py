@@ -20,9 +20,8 @@ from titan_simple.models.llama3 import (
     count_parameters,
     ffn_hidden_dim,
     flops_per_token,
-    precompute_freqs_cis,
-    scale_rope_frequencies,
 )
+from titan_simple.models.rope import LLAMA31_ROPE, precompute_freqs_cis, scale_rope_frequencies
 
 TINY = ModelArgs(dim=64, n_layers=2, n_heads=8, n_kv_heads=2, vocab_size=100, multiple_of=32, max_seq_len=32)
 
@@ -262,7 +261,7 @@ def test_rope_scaling_keeps_high_and_divides_lowest_frequencies():
     between = ~high & ~low
     assert ((scaled[between] < freqs[between]) & (scaled[between] > freqs[between] / 8)).all()
 
-    table = precompute_freqs_cis(head_dim, 16, theta, scaling=True)
+    table = precompute_freqs_cis(head_dim, 16, theta, scaling=LLAMA31_ROPE)
     assert table.shape == (16, 64) and table.dtype == torch.complex64
     torch.testing.assert_close(table[5].angle(), torch.remainder(5 * scaled + math.pi, 2 * math.pi) - math.pi)
 

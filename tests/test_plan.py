@@ -20,12 +20,16 @@ from titan_simple.train.plan import resolve_plan
 
 REPO = Path(__file__).resolve().parent.parent
 PLAN_FILE = REPO / "titan_simple" / "train" / "plan.py"
-# Every derived decision's function; resolve_plan is the only caller outside tests.
+# Every derived decision's function (in train/plan.py, the model's in models/from_config.py); resolve_plan is the
+# only caller outside tests.
 DECISIONS = (
     "model_args_for", "plan_pipeline", "accumulation_steps", "choose_gather_mode", "choose_precision",
     "cpu_has_native_bf16", "choose_compile_mode", "uses_loss_parallel", "choose_reshard_after_forward",
     "plan_validation", "choose_loss_chunks", "choose_async_tensor_parallel",
 )
+# Outside the resolver, only generation resolves one decision: the model of the config, built on one process
+# without a layout (a Hugging Face folder's or the flavor's; titan_simple/generate.py).
+ALSO_CALLED_BY = {"model_args_for": {"titan_simple/generate.py"}}
 # Config keys that feed a decision: read only by config.py and the plan.
 DECISION_KEYS = {
     "parallelism": {"fsdp_gather", "fsdp_reshard_after_forward", "fsdp_implementation", "disable_loss_parallel",
@@ -60,7 +64,8 @@ def test_each_decision_has_one_function_and_only_the_resolver_calls_it():
                 callers[_called_name(node)].add(str(path.relative_to(REPO)))
     assert definitions == collections.Counter({name: 1 for name in DECISIONS})
     plan_file = str(PLAN_FILE.relative_to(REPO))
-    assert {name: callers[name] for name in DECISIONS} == {name: {plan_file} for name in DECISIONS}
+    assert {name: callers[name] for name in DECISIONS} == {
+        name: {plan_file, *ALSO_CALLED_BY.get(name, ())} for name in DECISIONS}
 
 
 def test_no_module_reads_a_decision_key_but_the_config_and_the_plan():

@@ -49,7 +49,20 @@ class Job:
 @dataclass
 class Model:
     name: str = option("llama3", "Model family.", choices=("llama3",))
-    flavor: str = option("debugmodel", "Model size: debugmodel, debugmodel_large, 8B, 70B or 405B.")
+    flavor: str = option(
+        "debugmodel", "Model size: debugmodel, debugmodel_large, debugmodel_tied (the debug model shaped like Llama "
+        "3.2: tied embeddings, RoPE scaled 32x), Llama 3.2's 1B or 3B, Llama 3.1's 8B, 70B or 405B (RoPE scaled 8x, "
+        "as Meta publishes them). Ignored when hf_config is set."
+    )
+    hf_config: str = option(
+        "", "A Hugging Face Llama folder (or its config.json) to build the model from instead of a flavor: its shapes, "
+        "RoPE (theta, scaling), norm epsilon and tied embeddings, so any Llama 3 architecture checkpoint loads "
+        "(with [checkpoint] initial_load_path = the same folder) without writing a flavor."
+    )
+    rope_scaling: str = option(
+        "default", "RoPE frequency scaling: default (the flavor's or hf_config's) or none (Llama 3.0's plain RoPE, for "
+        "runs and checkpoints made before the 8B/70B/405B flavors became Llama 3.1's).", choices=("default", "none")
+    )
     n_layers: int = option(
         0, "Transformer blocks, overriding the flavor's (0 = the flavor's): for depth experiments such as "
         "compile time against depth (scripts/benchmark_compile.py)."

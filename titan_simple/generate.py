@@ -12,12 +12,15 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from titan_simple.config import JobConfig
 from titan_simple.errors import ConfigError
-from titan_simple.models.llama3 import KVCache, Transformer, build_model
+from titan_simple.models.from_config import model_args_for, model_name
+from titan_simple.models.hf_llama import check_hf_config, is_hf_folder
+from titan_simple.models.llama3 import KVCache, Transformer
 from titan_simple.train.checkpoint import load_model_weights
 
 # ------------------------------------------------------------------------------------------ loading
@@ -36,18 +39,22 @@ def load_model_for_generation(
     device: torch.device | None = None,
     dtype: torch.dtype | None = None,
 ) -> Transformer:
-    """The config's flavor with the checkpoint's weights, in eval mode; random init when ``checkpoint`` is None.
+    """The config's model (its flavor or ``[model] hf_config``) with the checkpoint's weights, in eval mode; random
+    init when ``checkpoint`` is None.
 
     ``checkpoint``: a DCP ``step-N`` folder, a checkpoint folder (its newest complete step) or a Hugging Face
-    Llama folder (config.json + safetensors), as ``train.checkpoint.load_model_weights`` reads them.
-    ``max_seq_len`` sizes the RoPE table (default: ``[training] seq_len``); positions past the trained length
-    run but are outside what the model has learnt.
+    Llama folder (config.json + safetensors), as ``train.checkpoint.load_model_weights`` reads them. A Hugging
+    Face folder whose config.json computes another function than the config's model is refused (ConfigError)
+    before anything is built. ``max_seq_len`` sizes the RoPE table (default: ``[training] seq_len``); positions
+    past the trained length run but are outside what the model has learnt.
     """
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or default_dtype(device)
-    depth = {"n_layers": config.model.n_layers} if config.model.n_layers else {}
-    model = build_model(config.model.flavor, max_seq_len=max_seq_len or config.training.seq_len, device="meta",
-                        **depth)
+    args = model_args_for(config, max_seq_len)
+    if checkpoint is not None and is_hf_folder(checkpoint):
+        check_hf_config(Path(checkpoint), args, model_name(config))
+    with torch.device("meta"):
+        model = Transformer(args)
     model.to_empty(device=device)
     with torch.no_grad():
         model.init_weights(buffer_device=device)  # also fills the RoPE table, which checkpoints do not hold

@@ -14,7 +14,10 @@ Name mapping (ours -> Hugging Face)::
     layers.N.attention_norm.weight           model.layers.N.input_layernorm.weight
     layers.N.ffn_norm.weight                 model.layers.N.post_attention_layernorm.weight
     norm.weight                              model.norm.weight
-    output.weight                            lm_head.weight
+    output.weight                            lm_head.weight (not written with tied embeddings)
+
+``model_args_from_hf`` reads a folder's ``config.json`` as ``ModelArgs`` (``[model] hf_config``), and
+``check_hf_config`` refuses weights whose config computes another function than the model they go into.
 
 A folder written by :func:`save_hf` holds ``config.json`` and ``model.safetensors`` (or
 ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json`` when larger than the
@@ -33,14 +36,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from titan_simple.errors import ConfigError
-from titan_simple.models.llama3 import (
-    ROPE_HIGH_FREQ_FACTOR,
-    ROPE_LOW_FREQ_FACTOR,
-    ROPE_ORIGINAL_CONTEXT,
-    ROPE_SCALING_FACTOR,
-    ModelArgs,
-    ffn_hidden_dim,
-)
+from titan_simple.models.llama3 import LLAMA3_FLAVORS, ModelArgs, RopeScaling
 
 _LAYER_NAMES = {  # ours (inside layers.N.) -> Hugging Face (inside model.layers.N.)
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -119,13 +115,30 @@ def from_hf_tensor(hf_name: str, tensor: torch.Tensor, args: ModelArgs) -> tuple
     return name, half_split_to_interleaved(tensor, heads) if heads else tensor
 
 
-def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
-    """``config.json`` of a ``LlamaForCausalLM`` with the shape of ``args``."""
+def _rope_scaling_json(scaling: RopeScaling | None) -> dict | None:
+    if scaling is None:
+        return None
+    return {"rope_type": scaling.type, "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+            "high_freq_factor": scaling.high_freq_factor, "original_max_position_embeddings": scaling.original_context}
+
+
+def hf_config(args: ModelArgs, dtype: torch.dtype, special_tokens: dict[str, int] | None = None) -> dict:
+    """``config.json`` of a ``LlamaForCausalLM`` computing what ``args`` computes.
+
+    RoPE is written as ``rope_theta`` + ``rope_scaling``, the keys of Meta's published folders, which every
+    ``transformers`` release reads (5.x converts them to its ``rope_parameters``). ``max_position_embeddings``
+    is the trained length or, with scaled RoPE, at least the context the scaling stretches the original one to
+    (``factor x original context``: transformers wants it longer than the original).
+    ``special_tokens``: ``bos_token_id`` / ``eos_token_id`` of the tokenizer the model was trained with.
+    """
+    context = args.max_seq_len
+    if args.rope_scaling is not None:
+        context = max(context, int(args.rope_scaling.factor * args.rope_scaling.original_context))
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": args.dim,
-        "intermediate_size": ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier),
+        "intermediate_size": args.ffn_dim,
         "num_hidden_layers": args.n_layers,
         "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.n_kv_heads,
@@ -133,35 +146,121 @@ def hf_config(args: ModelArgs, dtype: torch.dtype) -> dict:
         "vocab_size": args.vocab_size,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
-        "rope_scaling": {
-            "rope_type": "llama3", "factor": ROPE_SCALING_FACTOR, "low_freq_factor": ROPE_LOW_FREQ_FACTOR,
-            "high_freq_factor": ROPE_HIGH_FREQ_FACTOR, "original_max_position_embeddings": ROPE_ORIGINAL_CONTEXT,
-        } if args.rope_scaling else None,
-        "max_position_embeddings": args.max_seq_len,
+        "rope_scaling": _rope_scaling_json(args.rope_scaling),
+        "max_position_embeddings": context,
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": args.tie_word_embeddings,
+        **(special_tokens or {}),
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
 
 
-def check_hf_config(folder: Path, args: ModelArgs) -> None:
-    """Raise ConfigError naming every field of ``folder/config.json`` that does not fit ``args``."""
-    path = folder / "config.json"
+def read_hf_config(path: str | Path) -> dict:
+    """The ``config.json`` of a Hugging Face folder (or the file itself), or the one-line ConfigError."""
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
     try:
-        found = json.loads(path.read_text())
+        return json.loads(file.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"Hugging Face weights {folder}: cannot read config.json ({e}).") from None
-    expected = hf_config(args, torch.float32)
-    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "vocab_size")
-    wrong = [f"{k} {found.get(k)} (model: {expected[k]})" for k in keys if found.get(k) != expected[k]]
-    if found.get("tie_word_embeddings"):
-        wrong.append("tie_word_embeddings true (model: false)")
+        raise ConfigError(f"Hugging Face config {file} cannot be read ({e}).") from None
+
+
+def _rope_from_hf(config: dict, where: str) -> tuple[float, RopeScaling | None]:
+    """``(rope_theta, scaling)`` from either spelling: ``rope_theta`` + ``rope_scaling`` (Meta's folders,
+    transformers 4.x) or ``rope_parameters`` (transformers 5.x). Missing keys take ``LlamaConfig``'s defaults."""
+    parameters = config.get("rope_parameters")
+    if isinstance(parameters, dict):
+        theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
+    else:
+        parameters, theta = config.get("rope_scaling") or {}, config.get("rope_theta", 10000.0)
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind == "default":
+        return float(theta), None
+    if kind != "llama3":
+        raise ConfigError(f"{where}: rope_scaling type '{kind}' is not Llama 3's ('llama3'); titan_simple builds "
+                          "Llama 3 models only.")
+    try:
+        scaling = RopeScaling(factor=float(parameters["factor"]), low_freq_factor=float(parameters["low_freq_factor"]),
+                              high_freq_factor=float(parameters["high_freq_factor"]),
+                              original_context=int(parameters["original_max_position_embeddings"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ConfigError(f"{where}: its llama3 rope_scaling is incomplete or impossible ({e}).") from None
+    return float(theta), scaling
+
+
+def model_args_from_hf(config: dict, where: str, max_seq_len: int = 8192) -> ModelArgs:
+    """The ``ModelArgs`` computing what a Hugging Face Llama ``config.json`` describes (``where`` names it in
+    errors); ``max_seq_len``: the RoPE table to build. Anything that is not the Llama 3 architecture is one
+    ConfigError line."""
+    if config.get("model_type", "llama") != "llama":
+        raise ConfigError(f"{where} describes a '{config.get('model_type')}' model; titan_simple builds Llama only.")
+    unsupported = [f"{key} {config[key]!r}" for key, fine in (("hidden_act", "silu"), ("attention_bias", False),
+                                                               ("mlp_bias", False)) if config.get(key, fine) != fine]
+    if unsupported:
+        raise ConfigError(f"{where}: {', '.join(unsupported)} is not the Llama 3 architecture (silu, no biases).")
+    missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                           "vocab_size") if k not in config]
+    if missing:
+        raise ConfigError(f"{where} lacks {', '.join(missing)}; it is not a Llama config.json.")
+    dim, heads = config["hidden_size"], config["num_attention_heads"]
+    if config.get("head_dim") not in (None, dim // heads):
+        raise ConfigError(f"{where}: head_dim {config['head_dim']} is not hidden_size / num_attention_heads = "
+                          f"{dim // heads}, which Llama 3 needs.")
+    theta, scaling = _rope_from_hf(config, where)
+    try:
+        return ModelArgs(
+            dim=dim, n_layers=config["num_hidden_layers"], n_heads=heads,
+            n_kv_heads=config.get("num_key_value_heads") or heads, vocab_size=config["vocab_size"],
+            ffn_hidden_size=config["intermediate_size"], norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_seq_len=max_seq_len,
+        )
+    except ValueError as e:
+        raise ConfigError(f"{where}: {e}.") from None
+
+
+def _describe_rope(scaling: RopeScaling | None) -> str:
+    if scaling is None:
+        return "none"
+    return (f"llama3 factor {scaling.factor:g}, low {scaling.low_freq_factor:g}, high {scaling.high_freq_factor:g}, "
+            f"original context {scaling.original_context}")
+
+
+def function_fields(args: ModelArgs) -> dict[str, object]:
+    """What of ``args`` changes the function a checkpoint computes, under the Hugging Face names: two models
+    with equal fields compute the same logits from the same weights (the RoPE table's length aside)."""
+    return {
+        "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.n_kv_heads, "intermediate_size": args.ffn_dim, "vocab_size": args.vocab_size,
+        "rope_theta": args.rope_theta, "rope_scaling": _describe_rope(args.rope_scaling),
+        "rms_norm_eps": args.norm_eps, "tie_word_embeddings": args.tie_word_embeddings,
+    }
+
+
+def model_differences(found: ModelArgs, expected: ModelArgs, label: str = "model") -> list[str]:
+    """``"key found (label: expected)"`` for each field of ``function_fields`` where the two differ."""
+    theirs, ours = function_fields(found), function_fields(expected)
+    return [f"{key} {theirs[key]} ({label}: {ours[key]})" for key in ours if theirs[key] != ours[key]]
+
+
+def matching_flavors(args: ModelArgs) -> list[str]:
+    """The flavors that compute what ``args`` computes."""
+    return [name for name, flavor in LLAMA3_FLAVORS.items() if not model_differences(args, flavor)]
+
+
+def check_hf_config(folder: Path, args: ModelArgs, model_name: str = "model") -> None:
+    """Raise one ConfigError line naming every field of ``folder``'s config.json that changes the function
+    from ``args`` (shapes, RoPE, norm epsilon, tied embeddings), and the fix."""
+    folder = Path(folder)
+    found = model_args_from_hf(read_hf_config(folder), f"Hugging Face weights {folder}")
+    wrong = model_differences(found, args, model_name)
     if wrong:
-        raise ConfigError(f"Hugging Face weights {folder} do not fit the model: {', '.join(wrong)}; "
-                          "choose the matching [model] flavor.")
+        flavors = matching_flavors(found)
+        other = f", or choose [model] flavor '{flavors[0]}'" if flavors else ""
+        raise ConfigError(f"Hugging Face weights {folder} do not fit {model_name}: {'; '.join(wrong)}. Build the "
+                          f"model from the folder with [model] hf_config = '{folder}'{other}.")
 
 
 def is_hf_folder(path: str | Path) -> bool:
@@ -175,6 +274,7 @@ def save_hf(
     folder: str | Path,
     dtype: torch.dtype = torch.float32,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    special_tokens: dict[str, int] | None = None,
 ) -> Path:
     """Write our full (unsharded) weights as a Hugging Face Llama folder; return the folder.
 
@@ -188,6 +288,8 @@ def save_hf(
     shard_bytes = 0
     total_bytes = 0
     for name, tensor in items:
+        if args.tie_word_embeddings and name == "output.weight":  # the embedding, written once (no lm_head)
+            continue
         hf_name, hf_tensor = to_hf_tensor(name, tensor.detach().to("cpu", dtype), args)
         size = hf_tensor.numel() * hf_tensor.element_size()
         if shards[-1] and shard_bytes + size > max_shard_bytes:
@@ -207,7 +309,7 @@ def save_hf(
             weight_map.update({name: file for name in shard})
         index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (folder / "config.json").write_text(json.dumps(hf_config(args, dtype), indent=2) + "\n")
+    (folder / "config.json").write_text(json.dumps(hf_config(args, dtype, special_tokens), indent=2) + "\n")
     return folder
 
 
@@ -222,7 +324,9 @@ def _hf_files(folder: Path) -> list[Path]:
 def load_hf(folder: str | Path, args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(our name, full tensor)`` from a Hugging Face Llama folder, one tensor at a time.
 
-    The config is checked first (ConfigError on a shape mismatch); unknown weight names raise ConfigError.
+    The config is checked first (ConfigError naming each field that does not fit ``args``); unknown weight names
+    raise ConfigError. With tied embeddings a ``lm_head.weight`` some exports carry is skipped: the embedding is
+    the output projection.
     """
     folder = Path(folder)
     check_hf_config(folder, args)
@@ -231,6 +335,8 @@ def load_hf(folder: str | Path, args: ModelArgs) -> Iterator[tuple[str, torch.Te
             with safe_open(str(file), framework="pt") as f:
                 for hf_name in f.keys():
                     if hf_name.endswith("rotary_emb.inv_freq"):  # older exports carry the RoPE table
+                        continue
+                    if args.tie_word_embeddings and hf_name == "lm_head.weight":
                         continue
                     try:
                         yield from_hf_tensor(hf_name, f.get_tensor(hf_name), args)

@@ -32,16 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_simple.errors import ConfigError
+from titan_simple.models.rope import LLAMA31_ROPE, LLAMA32_ROPE, RopeScaling, apply_rotary_emb, precompute_freqs_cis
 
 # Standard deviation of the input projections (and the base of the depth-scaled output projections).
 INIT_STD = 0.02
-
-# Llama 3.1 RoPE frequency scaling ("rope_scaling"), the values Meta published for every Llama 3.1 model.
-ROPE_SCALING_FACTOR = 8.0
-ROPE_LOW_FREQ_FACTOR = 1.0
-ROPE_HIGH_FREQ_FACTOR = 4.0
-ROPE_ORIGINAL_CONTEXT = 8192
-
 
 @dataclass
 class ModelArgs:
@@ -56,11 +50,17 @@ class ModelArgs:
     ffn_dim_multiplier: float | None = None  # scales the SwiGLU hidden size before rounding
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
-    rope_scaling: bool = False  # Llama 3.1 long-context frequency scaling (see scale_rope_frequencies)
+    rope_scaling: RopeScaling | None = None  # None: Llama 3.0's plain RoPE
+    tie_word_embeddings: bool = False  # the output projection is the token embedding (Llama 3.2 1B and 3B)
+    ffn_hidden_size: int | None = None  # the SwiGLU width as given (a Hugging Face config); None: from the rule
     max_seq_len: int = 8192  # length of the precomputed RoPE table, i.e. the longest sequence the model takes
     depth_init: bool = True  # output projections of deeper layers start smaller (see TransformerBlock)
 
     def __post_init__(self) -> None:
+        if isinstance(self.rope_scaling, dict):  # as dataclasses.asdict wrote it (a checkpoint's complete.json)
+            self.rope_scaling = RopeScaling(**self.rope_scaling)
+        elif isinstance(self.rope_scaling, bool):  # checkpoints saved before the scaling had parameters
+            self.rope_scaling = LLAMA31_ROPE if self.rope_scaling else None
         if self.dim % self.n_heads:
             raise ValueError(f"dim {self.dim} is not divisible by n_heads {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
@@ -71,6 +71,13 @@ class ModelArgs:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        """The SwiGLU hidden width."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return ffn_hidden_dim(self.dim, self.multiple_of, self.ffn_dim_multiplier)
 
 
 LLAMA3_FLAVORS: dict[str, ModelArgs] = {
@@ -85,67 +92,34 @@ LLAMA3_FLAVORS: dict[str, ModelArgs] = {
     "debugmodel_large": ModelArgs(
         dim=512, n_layers=8, n_heads=8, n_kv_heads=4, vocab_size=2000, multiple_of=256, rope_theta=500000.0
     ),
+    # The debug model shaped like Llama 3.2: tied embeddings and factor-32 RoPE scaling.
+    "debugmodel_tied": ModelArgs(
+        dim=256, n_layers=6, n_heads=16, n_kv_heads=8, vocab_size=2000, multiple_of=256, rope_theta=500000.0,
+        rope_scaling=LLAMA32_ROPE, tie_word_embeddings=True,
+    ),
+    # Llama 3.2 as Meta publishes it (text models): tied embeddings, RoPE scaled 32x.
+    "1B": ModelArgs(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
+        multiple_of=256, ffn_dim_multiplier=1.5, rope_scaling=LLAMA32_ROPE, tie_word_embeddings=True,
+    ),
+    "3B": ModelArgs(
+        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, vocab_size=128256,
+        multiple_of=256, ffn_dim_multiplier=1.0, rope_scaling=LLAMA32_ROPE, tie_word_embeddings=True,
+    ),
+    # Llama 3.1 as Meta publishes it: the shapes of Llama 3, RoPE scaled 8x for the 128K context.
     "8B": ModelArgs(
         dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, vocab_size=128256,
-        multiple_of=1024, ffn_dim_multiplier=1.3,
+        multiple_of=1024, ffn_dim_multiplier=1.3, rope_scaling=LLAMA31_ROPE,
     ),
     "70B": ModelArgs(
         dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
-        multiple_of=4096, ffn_dim_multiplier=1.3,
+        multiple_of=4096, ffn_dim_multiplier=1.3, rope_scaling=LLAMA31_ROPE,
     ),
     "405B": ModelArgs(
         dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
-        multiple_of=4096, ffn_dim_multiplier=1.2,
+        multiple_of=4096, ffn_dim_multiplier=1.2, rope_scaling=LLAMA31_ROPE,
     ),
 }
-
-
-# ---------------------------------------------------------------------------------------------- RoPE
-
-
-def scale_rope_frequencies(freqs: torch.Tensor) -> torch.Tensor:
-    """Llama 3.1 frequency scaling: slow rotations are interpolated 8x, fast ones are left alone.
-
-    A frequency whose wavelength fits more than ``high_freq_factor`` times into the original context is
-    kept; one whose wavelength is longer than ``original_context / low_freq_factor`` is divided by
-    ``factor``; in between the two are blended linearly in ``original_context / wavelength``. The clamp
-    expresses all three regions at once (blend weight 1 = keep, 0 = divide).
-    """
-    wavelength = 2 * math.pi / freqs
-    keep_weight = (ROPE_ORIGINAL_CONTEXT / wavelength - ROPE_LOW_FREQ_FACTOR) / (
-        ROPE_HIGH_FREQ_FACTOR - ROPE_LOW_FREQ_FACTOR
-    )
-    keep_weight = keep_weight.clamp(0.0, 1.0)
-    return (1 - keep_weight) * freqs / ROPE_SCALING_FACTOR + keep_weight * freqs
-
-
-def precompute_freqs_cis(
-    head_dim: int, max_seq_len: int, theta: float = 500000.0, scaling: bool = False
-) -> torch.Tensor:
-    """Unit complex numbers ``exp(i * position * freq)``, shape ``[max_seq_len, head_dim // 2]``, complex64.
-
-    Computed in fp32 on the current default device (wrap in ``with torch.device(...)`` to choose).
-    """
-    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    if scaling:
-        freqs = scale_rope_frequencies(freqs)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), freqs)
-    return torch.polar(torch.ones_like(angles), angles)
-
-
-def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[batch, seq, heads, head_dim]`` by position; ``freqs_cis`` is ``[seq, head_dim // 2]``.
-
-    Adjacent channels ``(2j, 2j+1)`` form one complex number that is rotated by ``freqs_cis[t, j]``, the
-    pairing of Meta's Llama checkpoints. The complex product is written out in real arithmetic because
-    Inductor generates no code for complex operators; it runs in fp32 and the result is cast back.
-    """
-    cos_sin = torch.view_as_real(freqs_cis).view(1, x.shape[1], 1, -1, 2)
-    cos, sin = cos_sin[..., 0], cos_sin[..., 1]
-    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
-    real, imag = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
-    return rotated.flatten(-2).type_as(x)
 
 
 # ---------------------------------------------------------------------------------------------- modules
@@ -280,9 +254,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = nn.RMSNorm(args.dim, eps=args.norm_eps)
-        self.feed_forward = FeedForward(
-            args.dim, ffn_hidden_dim(args.dim, args.multiple_of, args.ffn_dim_multiplier)
-        )
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
         # Projections that write into the residual stream start smaller so the stream's variance does not
         # grow with depth: by layer index (depth_init) or uniformly by the total number of layers.
         depth = layer_id + 1 if args.depth_init else args.n_layers
@@ -306,7 +278,8 @@ class TransformerBlock(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Llama 3: token embedding, ``n_layers`` blocks, final RMSNorm and an untied output projection.
+    """Llama 3: token embedding, ``n_layers`` blocks, final RMSNorm and an output projection (the embedding
+    itself with ``tie_word_embeddings``: one parameter, reached under both names).
 
     ``forward(tokens[B, T]) -> logits[B, T, vocab]``; with a :class:`KVCache` (generation) the tokens are the
     ones after the cached positions, and the cache advances by ``T``. A pipeline stage may set
@@ -332,7 +305,23 @@ class Transformer(nn.Module):
         self.block_regions: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
         self.init_weights()  # on the meta device this costs nothing and fills nothing
+
+    def tie_weights(self) -> None:
+        """With ``tie_word_embeddings``, make ``output.weight`` the very parameter of ``tok_embeddings``.
+
+        Whatever replaces parameters module by module (``to_empty``, tensor parallel's ``parallelize_module``)
+        unties them; call this again after it (``to_empty`` below does). A pipeline stage holding only one of
+        the two has nothing to tie.
+        """
+        if self.args.tie_word_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output._parameters["weight"] = self.tok_embeddings._parameters["weight"]
+
+    def to_empty(self, *, device: torch.device | str | None, recurse: bool = True) -> Transformer:
+        super().to_empty(device=device, recurse=recurse)
+        self.tie_weights()  # to_empty gives every module a parameter of its own
+        return self
 
     def init_weights(self, buffer_device: torch.device | str | None = None) -> None:
         """(Re)initialize every parameter and recompute the RoPE table.
@@ -344,13 +333,13 @@ class Transformer(nn.Module):
             self.freqs_cis = precompute_freqs_cis(
                 self.args.head_dim, self.args.max_seq_len, self.args.rope_theta, self.args.rope_scaling
             )
-        if self.tok_embeddings is not None:
+        if self.tok_embeddings is not None and not self.args.tie_word_embeddings:
             nn.init.normal_(self.tok_embeddings.weight, mean=0.0, std=1.0)
         for layer in self.layers.values():
             layer.init_weights()
         if self.norm is not None:
             self.norm.reset_parameters()
-        if self.output is not None:
+        if self.output is not None:  # a tied embedding starts as the output projection: its logits set the scale
             std = self.args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
@@ -386,12 +375,13 @@ def count_parameters(model: nn.Module, exclude_embedding: bool = False) -> int:
     """Number of parameters; works on meta models, and counts DTensor parameters at their global size.
 
     ``exclude_embedding`` leaves out the token embedding (a lookup, no FLOPs) but keeps the output
-    projection, the convention of ``flops_per_token``.
+    projection, the convention of ``flops_per_token``; a tied one is counted once, as the output projection.
     """
-    total = 0
-    for name, param in model.named_parameters():
-        if exclude_embedding and "tok_embeddings" in name.split("."):
+    total, seen = 0, set()
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if (exclude_embedding and "tok_embeddings" in name.split(".")) or id(param) in seen:
             continue
+        seen.add(id(param))
         total += param.numel()  # a DTensor reports its global numel
     return total
 

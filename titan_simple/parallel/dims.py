@@ -11,7 +11,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan_simple.errors import ConfigError
-from titan_simple.models.llama3 import ModelArgs, ffn_hidden_dim
+from titan_simple.models.llama3 import ModelArgs
 from titan_simple.parallel.torch_private import flatten_mesh
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ def validate_parallelism(dims: ParallelDims, model_args: ModelArgs, config: JobC
     sizes = {
         "n_heads": model_args.n_heads,
         "n_kv_heads": model_args.n_kv_heads,
-        "SwiGLU hidden size": ffn_hidden_dim(model_args.dim, model_args.multiple_of, model_args.ffn_dim_multiplier),
+        "SwiGLU hidden size": model_args.ffn_dim,
         "vocab_size": model_args.vocab_size,
     }
     common = math.gcd(*sizes.values())

@@ -104,6 +104,7 @@ class StepGather:
         self.lazy = lazy
         self.buckets: list[_Bucket] = []
         self._groups: list[tuple] = []  # per bucket: (dp mesh, shard dim, n, coordinate)
+        self._aliases: list[_Entry] = []  # a tied parameter's second module: reads what its first bucket holds
         seen: set[int] = set()
         for part in parts:
             # In the order the forward first reads them (embedding, blocks, norm, output): the gathers complete
@@ -141,8 +142,9 @@ class StepGather:
                 group = layout
                 shape = unsharded_local_shape(param, spec)
                 entry = _Entry(module, name, param, spec, shape, chunk_rows(shape[0], n))
-                if id(param) in seen:  # a tied weight: gathered once, read by both modules
-                    entry.width = -1
+                if id(param) in seen:  # a tied weight: gathered once by its first bucket, read by both modules
+                    self._aliases.append(entry)
+                    continue
                 seen.add(id(param))
                 entries.append(entry)
         # Dtype-aware: float8-gathered weights (float8_gather.py) travel as bytes, in a bucket of their own.
@@ -150,8 +152,6 @@ class StepGather:
             if part:
                 offset = 0
                 for entry in part:
-                    if entry.width == -1:
-                        continue
                     entry.width, entry.offset = max(entry.rows) * entry.row_numel, offset
                     offset += entry.width
                 self.buckets.append(_Bucket(part))
@@ -176,7 +176,7 @@ class StepGather:
             raise RuntimeError("StepGather.gather: already holding the weights; call reduce() first")
         self._expected = microbatches
         for index, (bucket, (mesh, shard_dim, n, _)) in enumerate(zip(self.buckets, self._groups, strict=True)):
-            owners = [e for e in bucket.entries if e.width != -1]
+            owners = bucket.entries
             locals_ = [_to_gather(e) for e in owners]
             if shard_dim is None:  # replicate: the local tensor is the whole weight
                 pending = locals_
@@ -189,16 +189,15 @@ class StepGather:
                 gathered = DTensor.from_local(flat, mesh, sharded, run_check=False)
                 pending = gathered.redistribute(mesh, placements, async_op=True).to_local()
             self._state.append(_HeldBucket(self, index, owners, pending, shard_dim, n))
-        for bucket in self.buckets:
-            for e in bucket.entries:
-                if e.module._held_unsharded is None:
-                    e.module._held_unsharded = _HeldWeights() if self.lazy else {}
-                state = self._owner_state(e)
-                if self.lazy:
-                    e.module._held_unsharded.entries[e.name] = (state, e)
-                else:
-                    e.module._held_unsharded[e.name] = state.leaf(e)
-                self._held.append(e)
+        for e in [e for bucket in self.buckets for e in bucket.entries] + self._aliases:
+            if e.module._held_unsharded is None:
+                e.module._held_unsharded = _HeldWeights() if self.lazy else {}
+            state = self._owner_state(e)
+            if self.lazy:
+                e.module._held_unsharded.entries[e.name] = (state, e)
+            else:
+                e.module._held_unsharded[e.name] = state.leaf(e)
+            self._held.append(e)
 
     def _owner_state(self, entry: _Entry) -> _HeldBucket:
         """The bucket that gathers ``entry``'s parameter (a tied weight's: the first bucket that holds it)."""

@@ -127,6 +127,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: 
         )
     if top:
         parallelize_module(model, tp_mesh, top)
+        # Both shard the vocabulary (the embedding's rows, the output's columns: Shard(0) of either weight), so a
+        # tied weight, which parallelize_module gave each module a copy of, is one parameter again.
+        model.tie_weights()
     if float8 and dist.get_backend(tp_mesh.get_group()) == "gloo":
         gather_float8_as_bytes()  # gloo has no float8 type
     for block in model.layers.values():

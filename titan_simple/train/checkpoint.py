@@ -49,7 +49,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titan_simple.errors import CheckpointError, ConfigError
-from titan_simple.models.hf_llama import is_hf_folder
+from titan_simple.models.hf_llama import is_hf_folder, model_differences
 from titan_simple.models.llama3 import ModelArgs, Transformer
 from titan_simple.parallel.simple_fsdp import sharded_parameters
 from titan_simple.train.checkpoint_files import (
@@ -169,6 +169,7 @@ class CheckpointManager:
         dp_rank: int,
         dp_size: int,
         device: torch.device,
+        special_tokens: dict[str, int] | None = None,
     ) -> None:
         self.config = config.checkpoint
         self.folder = Path(config.job.dump_folder) / self.config.folder
@@ -178,6 +179,7 @@ class CheckpointManager:
         self.lr_scheduler = lr_scheduler
         self.dataloader = dataloader
         self.model_args = model_args
+        self.special_tokens = special_tokens or {}  # bos_token_id / eos_token_id, for Hugging Face exports
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
@@ -212,7 +214,7 @@ class CheckpointManager:
             return None
         path = find_checkpoint(self.folder, checkpoint_config.load_step) if checkpoint_config.enable else None
         if path is not None:
-            return self._load_dcp(path, model_only=False)
+            return self._load_dcp(path, model_only=False, resuming=True)
         if checkpoint_config.load_step >= 0:
             raise ConfigError(f"[checkpoint] load_step = {checkpoint_config.load_step} needs [checkpoint] "
                               "enable = true.")
@@ -233,12 +235,34 @@ class CheckpointManager:
             full_model = Transformer(self.model_args)
         return {k: v.shape for k, v in full_model.state_dict().items()}
 
-    def _load_dcp(self, path: Path, model_only: bool) -> TrainProgress:
+    def _check_saved_function(self, path: Path, resuming: bool) -> None:
+        """The model a checkpoint was saved by (its complete.json) must compute what this run's does: a resumed run
+        stops on any difference of RoPE, norm epsilon or tying (shapes are checked from the DCP metadata); a run
+        starting from another's weights (``initial_load_path``) only hears of RoPE and epsilon changes, which
+        long-context recipes make on purpose. Tying never changes silently: loaded into a tied model, separate
+        embedding and output weights would overwrite each other."""
+        saved = model_args_of(path)
+        if saved is None:
+            return
+        fields = ("rope_theta", "rope_scaling", "rms_norm_eps", "tie_word_embeddings")
+        changed = [d for d in model_differences(saved, self.model_args, "this run") if d.split(" ", 1)[0] in fields]
+        if not changed:
+            return
+        what = f"checkpoint {path} was saved by a model that computes otherwise: {'; '.join(changed)}"
+        if resuming or saved.tie_word_embeddings != self.model_args.tie_word_embeddings:
+            hint = (" The 8B, 70B and 405B flavors scale RoPE since they became Llama 3.1's: set --model.rope_scaling "
+                    "none to continue a run saved before." if saved.rope_scaling is None else "")
+            raise ConfigError(f"{what}.{hint} Set [model] to the saved model's values to continue it, or start a new "
+                              "run from it with [checkpoint] initial_load_path to change them on purpose.")
+        logger.warning("%s: starting from its weights with this run's settings", what)
+
+    def _load_dcp(self, path: Path, model_only: bool, resuming: bool = False) -> TrainProgress:
         if not path.is_dir():
             raise ConfigError(f"[checkpoint] initial_load_path {path} does not exist.")
         started = time.perf_counter()
         metadata = read_metadata(path)
         check_model_shapes(metadata, self._expected_model_shapes(), path)
+        self._check_saved_function(path, resuming)
         present = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
         wanted = {"model"} if model_only else set(STATE_KEYS) - set(self.config.exclude_from_loading)
         skipped = sorted(wanted - present - {"model"})
@@ -426,7 +450,8 @@ class CheckpointManager:
         """Rank 0, once every rank's shards and DCP's .metadata are written: mark complete, rename, prune."""
         marker = {
             "step": step, "model_only": model_only, "world_size": self.world_size, "dp_size": self.dp_size,
-            "model_args": dataclasses.asdict(self.model_args), "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "model_args": dataclasses.asdict(self.model_args), "special_tokens": self.special_tokens,
+            "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
         final = commit_step(self.folder, step, marker)
         size = sum(f.stat().st_size for f in final.iterdir() if f.is_file())
@@ -458,7 +483,8 @@ class CheckpointManager:
     def _export_last_hf(self, step: int) -> None:
         final = step_folder(self.folder, step)
         if self.rank == 0:
-            out = export_hf(final, final / "hf", dtype=self.export_dtype, args=self.model_args)
+            out = export_hf(final, final / "hf", dtype=self.export_dtype, args=self.model_args,
+                            special_tokens=self.special_tokens)
             logger.info("checkpoint: exported the model in Hugging Face format to %s", out)
         if dist.is_initialized():
             dist.barrier()

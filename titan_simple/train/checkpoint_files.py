@@ -230,16 +230,19 @@ def model_args_of(checkpoint_dir: str | Path) -> ModelArgs | None:
 
 
 def export_hf(checkpoint_dir: str | Path, output_dir: str | Path, dtype: torch.dtype = torch.float32,
-              args: ModelArgs | None = None) -> Path:
-    """Write the model of a DCP step folder as a Hugging Face Llama folder (one process, full weights)."""
+              args: ModelArgs | None = None, special_tokens: dict[str, int] | None = None) -> Path:
+    """Write the model of a DCP step folder as a Hugging Face Llama folder (one process, full weights).
+    ``args`` and ``special_tokens`` (BOS / EOS ids) default to what the step's complete.json recorded."""
     args = args or model_args_of(checkpoint_dir)
+    if special_tokens is None:
+        special_tokens = read_marker(checkpoint_dir).get("special_tokens")
     if args is None:
         raise ConfigError(f"checkpoint {checkpoint_dir} records no model shape; pass the flavor explicitly.")
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")
     load_model_weights(str(checkpoint_dir), model)
-    return save_hf(model.state_dict(), args, output_dir, dtype=dtype)
+    return save_hf(model.state_dict(), args, output_dir, dtype=dtype, special_tokens=special_tokens)
 
 
 def copy_hf_weights(folder: Path, model: nn.Module, args: ModelArgs | None = None) -> None:

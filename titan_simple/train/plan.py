@@ -32,7 +32,8 @@ from titan_simple.config import JobConfig
 from titan_simple.data.datasets import data_cache_folder
 from titan_simple.errors import ConfigError
 from titan_simple.models.float8 import Float8Plan, plan_float8, plan_float8_parallel
-from titan_simple.models.llama3 import LLAMA3_FLAVORS, ModelArgs, build_model
+from titan_simple.models.from_config import check_initial_weights, model_args_for
+from titan_simple.models.llama3 import ModelArgs
 from titan_simple.parallel.compile import CompilePlan
 from titan_simple.parallel.dims import ParallelDims, validate_parallelism
 from titan_simple.parallel.parallelize import ParallelPlan
@@ -114,8 +115,11 @@ class RunPlan:
         def why(key: str) -> str:
             return f" ({self.reasons[key]})" if key in self.reasons else ""
 
-        lines = [f"plan: llama3 {config.model.flavor} ({args.n_layers} layers, dim {args.dim}, vocab "
-                 f"{args.vocab_size}) | world {dims.world_size} on {self.device_type}: {dims.describe}"]
+        model = config.model.flavor if not config.model.hf_config else f"from {config.model.hf_config}"
+        rope = f", RoPE scaled {args.rope_scaling.factor:g}x" if args.rope_scaling is not None else ""
+        tied = ", tied embeddings" if args.tie_word_embeddings else ""
+        lines = [f"plan: llama3 {model} ({args.n_layers} layers, dim {args.dim}, vocab {args.vocab_size}{rope}{tied}) "
+                 f"| world {dims.world_size} on {self.device_type}: {dims.describe}"]
         if dims.dp_enabled:
             wrapper = "SimpleFSDP" if parallel.fsdp_implementation == "simple" else "FSDP2"
             reshard = "reshard after forward" if parallel.reshard_after_forward else "keep gathered weights"
@@ -177,6 +181,7 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     dims = ParallelDims.from_config(config, world_size)
     model_args = model_args_for(config)
     validate_parallelism(dims, model_args, config)
+    check_initial_weights(config, model_args)
     check_profiling(config, world_size, device_type)
     float8 = plan_float8(config.model.converters, config.float8, model_args, device_type, config.dry_run.enable)
     pipeline = plan_pipeline(config, model_args.n_layers, dims.pp) if dims.pp > 1 else None
@@ -271,26 +276,6 @@ def _package_source_hash() -> str:
     for path in sorted(Path(__file__).resolve().parent.parent.rglob("*.py")):
         digest.update(path.read_bytes())
     return digest.hexdigest()
-
-
-def model_args_for(config: JobConfig) -> ModelArgs:
-    """The ``[model] flavor``'s arguments with a RoPE table of ``[training] seq_len`` (and ``[model] n_layers``
-    blocks when set), or the one-line error naming the known flavors."""
-    flavor = config.model.flavor
-    if flavor not in LLAMA3_FLAVORS:
-        build_model(flavor)  # raises the unknown-flavor ConfigError
-    args = dataclasses.replace(LLAMA3_FLAVORS[flavor], max_seq_len=config.training.seq_len)
-    return dataclasses.replace(args, n_layers=config.model.n_layers) if config.model.n_layers else args
-
-
-def check_vocabulary(config: JobConfig, tokenizer_vocab_size: int) -> None:
-    """The tokenizer's ids must fit the model's embedding."""
-    args = model_args_for(config)
-    if tokenizer_vocab_size > args.vocab_size:
-        raise ConfigError(
-            f"[model] tokenizer_path {config.model.tokenizer_path} has {tokenizer_vocab_size} tokens but flavor "
-            f"'{config.model.flavor}' has a vocabulary of {args.vocab_size}; use a matching tokenizer or flavor."
-        )
 
 
 @functools.cache

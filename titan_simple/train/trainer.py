@@ -13,6 +13,7 @@ from torch import nn
 from titan_simple.config import JobConfig, resolve_project_path
 from titan_simple.data import Tokenizer, build_dataloader
 from titan_simple.errors import NonFiniteTraining
+from titan_simple.models.from_config import check_vocabulary
 from titan_simple.parallel.compile import comm_plan_recorders
 from titan_simple.parallel.compile_cache import describe_compile_cache, use_compile_cache
 from titan_simple.parallel.dims import dp_rank_and_size
@@ -40,7 +41,7 @@ from titan_simple.train.metrics import (
     peak_flops_per_second,
 )
 from titan_simple.train.optim import lr_scheduler_from_config, optimizer_from_config
-from titan_simple.train.plan import check_vocabulary, resolve_plan
+from titan_simple.train.plan import resolve_plan
 from titan_simple.train.profiling import Profiler
 from titan_simple.train.run_status import RunStatus
 from titan_simple.train.step import StepResult, build_train_step
@@ -76,7 +77,7 @@ class Trainer:
         if self.plan.compile.enabled:  # before anything compiles: torch reads the folder once
             use_compile_cache(self.plan.compile.cache_dir)
         self.tokenizer = Tokenizer(resolve_project_path(config.model.tokenizer_path))  # fails fast on a bad path
-        check_vocabulary(config, self.tokenizer.vocab_size)
+        check_vocabulary(config, self.plan.model_args, self.tokenizer.vocab_size)
         if training.deterministic:
             # Before the process group: ProcessGroupNCCL's constructor disables NCCL's NVLS algorithms (whose
             # reductions are not deterministic) only when deterministic mode is already on (read in pytorch's
@@ -141,6 +142,7 @@ class Trainer:
             config, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
             dataloader=self.dataloader, model_args=self.parts.model_args, dp_rank=self.dp_rank,
             dp_size=self.dp_size, device=self.device,
+            special_tokens={"bos_token_id": self.tokenizer.bos_id, "eos_token_id": self.tokenizer.eos_id},
         )
         resumed = self.checkpoint.load()  # model, optimizer, schedule, data position, RNG: all built by now
         if resumed is not None:
