@@ -251,3 +251,9 @@ def test_llama31_flavors_scale_rope_and_a_folder_names_its_matching_flavor(tmp_p
     config = load_job_config(["--config", "llama3_debug.toml", "--model.flavor", "debugmodel_tied"])
     with pytest.raises(ConfigError, match=r"or choose \[model\] flavor 'debugmodel'"):
         load_model_for_generation(config, str(tmp_path), device=torch.device("cpu"))
+
+
+def test_a_missing_hf_config_is_one_line(tmp_path, capsys):
+    code = train.main([*SMALL, "--model.hf_config", str(tmp_path / "nope"), "--job.dump_folder", str(tmp_path / "d")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "hf_config" in err and "does not exist" in err, err
