@@ -32,6 +32,7 @@ from functools import partial
 import torch
 import torch.distributed.tensor  # noqa: F401 -- registers the _c10d_functional ops named below
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 Policy = Callable[..., CheckpointPolicy | None]
@@ -55,13 +56,33 @@ _GATHER_DATA_OPS = {
 # no backward needs them (a float8 matmul saves its own high-precision inputs); cached, they would hold two fp32
 # copies of every float8 linear's input. The model itself uses neither.
 _FLOAT8_SCALING_OPS = {torch.ops.aten.abs.default, torch.ops.aten.clamp.default}
+# The amax reductions behind float8 scales: max of |x| (tensorwise, 0-dim) and amax of |x| along a dim (rowwise, one
+# per row or column). The op policy saves them (tiny): a recomputed cast then reuses the forward's scale, as TorchTitan
+# saves ``aten.max``; rowwise rounds its scales to powers of two, so an amax one ulp off would halve or double a row.
+FLOAT8_AMAX_OPS = {torch.ops.aten.max.default, torch.ops.aten.amax.default}
+
+
+def _is_weight_scale(weight: object, scale: object) -> bool:
+    """A rowwise scale of a 2-D weight: one fp32 factor per row ``[rows, 1]`` or per column ``[1, cols]``. (The
+    model's own broadcast multiplies -- RMSNorm, RoPE -- act on 3-D or 4-D activations.)"""
+    if not (isinstance(weight, torch.Tensor) and isinstance(scale, torch.Tensor)):
+        return False
+    if weight.dim() != 2 or scale.dim() != 2 or scale.dtype != torch.float32:
+        return False
+    return scale.shape in ((weight.shape[0], 1), (1, weight.shape[1])) and scale.numel() < weight.numel()
 
 
 def is_float8_scaling(op, args) -> bool:
-    """torchao's tensorwise ``x * scale`` (a 0-dim scale) or one of ``_FLOAT8_SCALING_OPS``."""
+    """One of ``_FLOAT8_SCALING_OPS``, torchao's tensorwise ``x * scale`` (a 0-dim scale), or its rowwise
+    ``weight * scale`` (``_is_weight_scale``): what SimpleFSDP's reshard policy recomputes with the gather."""
     if op in _FLOAT8_SCALING_OPS:
         return True
-    return op is torch.ops.aten.mul.Tensor and any(isinstance(a, torch.Tensor) and a.dim() == 0 for a in args[:2])
+    if op is not torch.ops.aten.mul.Tensor:
+        return False
+    first, second = args[0], args[1] if len(args) > 1 else None
+    if any(isinstance(a, torch.Tensor) and a.dim() == 0 for a in (first, second)):
+        return True
+    return _is_weight_scale(first, second) or _is_weight_scale(second, first)
 
 
 def is_view_op(op) -> bool:
@@ -187,15 +208,23 @@ _ATTENTION = {
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
 }
-# Tensor-parallel activation collectives (sequence parallel's all-gather / reduce-scatter, the all-reduce without
-# it): never run twice. SimpleFSDP's weight all-gathers are decided before (reshard_policy: recomputed).
-_TENSOR_PARALLEL_COLLECTIVES = {
-    _c10d.all_gather_into_tensor.default,
-    _c10d.reduce_scatter_tensor.default,
-    _c10d.all_reduce.default,
-}
+# Tensor-parallel activation collectives whose outputs are saved: sequence parallel's reduce-scatters (a sequence
+# shard; recomputing one would rerun its matmul and the collective) and the all-reduce without it. Sequence
+# parallel's all-gathers are re-gathered in backward instead (SelectiveOpPolicy). SimpleFSDP's weight all-gathers
+# are decided before (reshard_policy: recomputed).
+_SAVED_TENSOR_PARALLEL_COLLECTIVES = {_c10d.reduce_scatter_tensor.default, _c10d.all_reduce.default}
 # The selective_ac_option names of the op-level policies.
 SELECTIVE_OP_POLICIES = ("op", "op_all_matmuls")
+
+
+def _partial_product(op, args) -> bool:
+    """A row-parallel matmul under tensor parallel (``wo``, ``w2``): its input shards the contracted dim, so its output
+    is a full-sequence partial sum that only the reduce-scatter after it reads, and no backward needs. Saved, it
+    would be the largest tensor a block keeps per rank; compiled, the partitioner drops it anyway. Eager only:
+    a compiled trace sees plain tensors."""
+    index = 1 if op is _aten.addmm.default else 0
+    first = args[index] if len(args) > index else None
+    return isinstance(first, DTensor) and any(p.is_shard(first.ndim - 1) for p in first.placements)
 
 
 class SelectiveOpPolicy:
@@ -206,42 +235,56 @@ class SelectiveOpPolicy:
     second matmul of each block's forward, counting in call order from 1 and recomputing the even ones. In a
     Llama block the matmuls run wq, wk, wv, wo, w1, w3, w2: wq, wv, w1 and w2 are saved, wk, wo and w3
     recomputed. ``False`` (``"op_all_matmuls"``): every matmul output is saved (less recompute, more memory).
-    Attention outputs and tensor-parallel collectives are always saved.
+    Attention outputs, tensor parallel's reduce-scatters and float8's amaxes (``FLOAT8_AMAX_OPS``) are always saved.
+
+    A row-parallel matmul's partial sums are never saved (``_partial_product``): the reduce-scatter's output is.
+    Sequence parallel's all-gathers over ``tensor_parallel_groups`` are recomputed: each gathers a sublayer's
+    normalized input to the full sequence, and saving it would keep a full-sequence copy per sublayer (``tp`` times
+    its shard; at tp2 they were 40% of a block's saved bytes). Backward gathers again, as Megatron's sequence
+    parallel does: one more all-gather per sublayer, no more memory than the shard.
 
     The matmul count restarts for every checkpointed forward: ``fresh()`` gives each call its own counters, one
     for the forward and one for its recomputation. torch 2.13 calls the policy in the forward only (the
     recomputation replays its decisions); torch 2.11 calls it again while recomputing (``ctx.is_recompute``), where
     one shared count would run on and recompute wk from wq's saved output (seen eagerly on torch 2.11)."""
 
-    def __init__(self, every_second_matmul: bool) -> None:
+    def __init__(self, every_second_matmul: bool, tensor_parallel_groups: Iterable[str] = ()) -> None:
         self.every_second_matmul = every_second_matmul
-        self.cache_key = "selective_op(every second matmul)" if every_second_matmul else "selective_op(all matmuls)"
+        self.tensor_parallel_groups = frozenset(tensor_parallel_groups)
+        self.cache_key = ("selective_op(every second matmul)" if every_second_matmul else "selective_op(all matmuls)")
+        if self.tensor_parallel_groups:
+            self.cache_key += f" regather({','.join(sorted(self.tensor_parallel_groups))})"
         self.matmuls = {False: 0, True: 0}  # is_recompute -> matmuls seen
 
     def fresh(self) -> SelectiveOpPolicy:
-        return SelectiveOpPolicy(self.every_second_matmul)
+        return SelectiveOpPolicy(self.every_second_matmul, self.tensor_parallel_groups)
 
     def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if op in _MATMULS:
             recomputing = bool(getattr(ctx, "is_recompute", False))
             self.matmuls[recomputing] += 1
-            if self.every_second_matmul and self.matmuls[recomputing] % 2 == 0:
+            if self.every_second_matmul and self.matmuls[recomputing] % 2 == 0 or _partial_product(op, args):
                 return CheckpointPolicy.PREFER_RECOMPUTE
             return CheckpointPolicy.MUST_SAVE
-        if op in _ATTENTION or op in _TENSOR_PARALLEL_COLLECTIVES:
+        if op is _c10d.all_gather_into_tensor.default and args[2] in self.tensor_parallel_groups:
+            return CheckpointPolicy.MUST_RECOMPUTE
+        if op in _ATTENTION or op in _SAVED_TENSOR_PARALLEL_COLLECTIVES or op in FLOAT8_AMAX_OPS:
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpointing(blocks: nn.ModuleDict | nn.ModuleList, mode: str, option: str = "op") -> None:
+def apply_activation_checkpointing(blocks: nn.ModuleDict | nn.ModuleList, mode: str, option: str = "op",
+                                   tensor_parallel_groups: Iterable[str] = ()) -> None:
     """``full``: every block keeps only its input. ``selective`` + ``op``: every block saves attention outputs
     and every second matmul output (``SelectiveOpPolicy``); ``op_all_matmuls``: every matmul output.
-    ``selective`` + ``N``: every N-th block is fully checkpointed."""
+    ``selective`` + ``N``: every N-th block is fully checkpointed. ``tensor_parallel_groups``: the groups whose
+    activation all-gathers the op policies gather again in backward."""
     blocks = list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
     if mode == "full":
         apply_checkpoint(blocks, full_recompute_policy)
     elif mode == "selective" and option in SELECTIVE_OP_POLICIES:
-        apply_checkpoint(blocks, SelectiveOpPolicy(every_second_matmul=option == "op"))
+        apply_checkpoint(blocks, SelectiveOpPolicy(every_second_matmul=option == "op",
+                                                   tensor_parallel_groups=tensor_parallel_groups))
     elif mode == "selective":
         every = int(option)
         apply_checkpoint([b for i, b in enumerate(blocks) if (i + 1) % every == 0], full_recompute_policy)

@@ -60,7 +60,8 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh | None, plan: ParallelP
             keep_gradient_layouts(model)  # the data-parallel wrappers would otherwise do it
 
     if plan.ac_mode != "none":
-        apply_activation_checkpointing(model.layers, plan.ac_mode, plan.ac_option)
+        tp_groups = [tensor_parallel_mesh(mesh).get_group().group_name] if dims.tp > 1 else []
+        apply_activation_checkpointing(model.layers, plan.ac_mode, plan.ac_option, tensor_parallel_groups=tp_groups)
 
     if plan.compile.mode == "per_block":
         for block in model.layers.values():
