@@ -15,14 +15,26 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy
 
 from tests.distributed_utils import run_on_ranks
 from tests.parity import Recipe, build_layout, max_rel_diff, train_reference, train_steps
 from titan_simple.config import load_job_config
 from titan_simple.errors import ConfigError
 from titan_simple.models import float8 as float8_module
-from titan_simple.models.float8 import Float8Targets, float8_problem, float8_targets
+from titan_simple.models.float8 import Float8Targets, convert_to_float8, float8_problem, float8_targets
+from titan_simple.models.llama3 import LLAMA3_FLAVORS, ModelArgs, Transformer, TransformerBlock
+from titan_simple.models.rope import precompute_freqs_cis
+from titan_simple.parallel.activation_checkpoint import (
+    FLOAT8_AMAX_OPS,
+    SelectiveOpPolicy,
+    apply_checkpoint,
+    is_float8_scaling,
+)
+from titan_simple.parallel.tensor_parallel import local_linear_shape
 from titan_simple.train.plan import resolve_plan
 
 pytest.importorskip("torchao.float8")
@@ -62,6 +74,98 @@ def test_targets_skip_the_filtered_and_the_misaligned():
                                                               misaligned=("b",))
     assert float8_targets(model, []).describe("rowwise") == (
         "float8 rowwise: 2 linears, 1 with dims not multiples of 16 kept in high precision")
+
+
+def test_targets_check_each_ranks_tensor_parallel_shard():
+    """A float8 matmul needs its dims aligned on the rank that runs it: a SwiGLU width of 48 is aligned whole and
+    24 wide on each of 2 TP ranks (w1 / w3 split their outputs, w2 its inputs), so those stay in high precision."""
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, vocab_size=64, ffn_hidden_size=48)
+    with torch.device("meta"):
+        model = Transformer(args)
+    assert float8_targets(model, ["output"]).misaligned == ()
+    sharded = float8_targets(model, ["output"], local_linear_shape(2))
+    assert sharded.misaligned == tuple(f"layers.0.feed_forward.{w}" for w in ("w1", "w2", "w3"))
+    assert sharded.converted == tuple(f"layers.0.attention.{w}" for w in ("wq", "wk", "wv", "wo"))
+    assert local_linear_shape(4)("layers.3.attention.wo", 64, 32) == (16, 32)  # row-parallel: inputs split
+    assert local_linear_shape(4)("output", 64, 32) == (64, 8)  # column-parallel: outputs split
+
+
+def test_rowwise_compiles_with_precision_cast_emulation():
+    """Rowwise rounds its scales to powers of two, so a compiled recomputation must round through each cast as eager
+    does (TorchTitan turns Inductor's emulate_precision_casts on for rowwise; pytorch#150859)."""
+    for recipe, emulated in (("tensorwise", False), ("rowwise", True), ("rowwise_with_gw_hp", True)):
+        plan = resolve_plan(RECIPE.config(*FLOAT8, f"--float8.recipe={recipe}", "--compile.enable"), 1, "cpu")
+        assert plan.compile.inductor_options().get("emulate_precision_casts", False) is emulated, recipe
+    assert hasattr(torch._inductor.config, "emulate_precision_casts")  # torch.compile refuses unknown options
+
+
+class _MulRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.muls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.mul.Tensor:
+            self.muls.append((args, out))
+        return out
+
+
+def test_reshard_policy_recomputes_rowwise_weight_scaling_and_nothing_of_the_model():
+    """``weight * scale`` of a rowwise float8 linear (a [rows, 1] / [1, cols] fp32 scale) is what SimpleFSDP's
+    reshard policy recomputes with the gather: saved, it is an fp32 copy of the unsharded weight (measured in the dry
+    run of the debug model on 2 ranks, AC none: 18.9 MB, the block weights in fp32, no longer kept). The model's own
+    broadcast multiplies (RMSNorm, RoPE, SwiGLU) are not float8 scaling."""
+    args = LLAMA3_FLAVORS["debugmodel"]
+    torch.manual_seed(0)
+    block = TransformerBlock(0, args)
+    convert_to_float8(block, "rowwise", [], emulate=True)
+    x = torch.randn(2, 16, args.dim, requires_grad=True)
+    recorder = _MulRecorder()
+    with recorder:
+        block(x, precompute_freqs_cis(args.head_dim, 16, args.rope_theta))
+    weights = {shape for p in block.parameters() if p.dim() == 2 for shape in (tuple(p.shape), tuple(p.shape)[::-1])}
+    scaled_weights = [(a, out) for a, out in recorder.muls
+                      if tuple(out.shape) in weights and out.dtype == torch.float32]
+    assert len(scaled_weights) == 7  # every linear's weight, once per forward
+    assert all(is_float8_scaling(torch.ops.aten.mul.Tensor, a) for a, _ in scaled_weights)
+    plain = TransformerBlock(0, args)
+    recorder = _MulRecorder()
+    with recorder:
+        plain(x, precompute_freqs_cis(args.head_dim, 16, args.rope_theta))
+    assert recorder.muls and not any(is_float8_scaling(torch.ops.aten.mul.Tensor, a) for a, _ in recorder.muls)
+
+
+def test_op_policy_saves_float8_amaxes():
+    """The amax behind every scale (tensorwise ``max``, rowwise ``amax`` per row / column) is saved: a recomputed
+    cast reuses the forward's scale, as TorchTitan saves ``aten.max``."""
+    decisions = []
+
+    class Recording(SelectiveOpPolicy):
+        def __init__(self, every_second_matmul: bool) -> None:
+            super().__init__(every_second_matmul)
+            self.cache_key += " (recording amaxes)"  # a policy of its own in the checkpoint's registry
+
+        def fresh(self):
+            return Recording(self.every_second_matmul)
+
+        def __call__(self, ctx, op, *a, **k):
+            decision = super().__call__(ctx, op, *a, **k)
+            if op in FLOAT8_AMAX_OPS:
+                decisions.append((op, decision))
+            return decision
+
+    args = LLAMA3_FLAVORS["debugmodel"]
+    for recipe, op in (("tensorwise", torch.ops.aten.max.default), ("rowwise", torch.ops.aten.amax.default)):
+        decisions.clear()
+        torch.manual_seed(0)
+        block = TransformerBlock(0, args)
+        convert_to_float8(block, recipe, [], emulate=True)
+        apply_checkpoint(block, Recording(every_second_matmul=True))
+        x = torch.randn(2, 16, args.dim, requires_grad=True)
+        block(x, precompute_freqs_cis(args.head_dim, 16, args.rope_theta)).sum().backward()
+        assert len(decisions) >= 14 and {d for _, d in decisions} == {CheckpointPolicy.MUST_SAVE}, recipe
+        assert {o for o, _ in decisions} == {op}, recipe
 
 
 def test_the_plan_counts_the_debug_models_linears():
@@ -168,11 +272,6 @@ def one_process() -> dict[str, dict]:
             for recipe in ("tensorwise", "rowwise")}
 
 
-@pytest.fixture(scope="module")
-def float8_eager(one_process) -> dict:
-    return one_process["tensorwise"]
-
-
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_trains_close_to_fp32_but_not_equal(recipe, reference, one_process):
     run = one_process[recipe]
@@ -181,11 +280,16 @@ def test_float8_trains_close_to_fp32_but_not_equal(recipe, reference, one_proces
     assert FP32_GAP[0] < gap < FP32_GAP[1], (recipe, run["losses"], reference["losses"])
 
 
-def test_float8_compiled_matches_eager(float8_eager):
-    compiled = train_reference(RECIPE, *FLOAT8, "--compile.enable", keep_grads=False)  # one process, compiled
-    print(f"float8 compiled vs eager: losses {max_rel_diff(compiled['losses'], float8_eager['losses']):.1e}")
-    assert max_rel_diff(compiled["losses"], float8_eager["losses"]) <= COMPILED_RTOL
-    assert max_rel_diff(compiled["norms"], float8_eager["norms"]) <= NORM_RTOL
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_compiled_with_selective_op_ac_matches_eager(recipe, one_process):
+    """One process, compiled with op-level selective AC (the recomputations, the casts included, run in Inductor's
+    backward), against eager without AC (which selective AC does not change, tests/test_activation_checkpoint.py)."""
+    compiled = train_reference(RECIPE, *FLOAT8, f"--float8.recipe={recipe}", "--compile.enable",
+                               "--activation_checkpoint.mode=selective", keep_grads=False)
+    eager = one_process[recipe]
+    print(f"float8 {recipe} compiled vs eager: losses {max_rel_diff(compiled['losses'], eager['losses']):.1e}")
+    assert max_rel_diff(compiled["losses"], eager["losses"]) <= COMPILED_RTOL
+    assert max_rel_diff(compiled["norms"], eager["norms"]) <= NORM_RTOL
 
 
 def _fully_shard(rank: int, world_size: int) -> dict:

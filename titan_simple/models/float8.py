@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,14 +52,24 @@ class Float8Targets:
                 + (f", {' and '.join(kept)} kept in high precision" if kept else ""))
 
 
-def float8_targets(model: nn.Module, filter_fqns: list[str]) -> Float8Targets:
+# (linear's name, in_features, out_features) -> this rank's (in, out) under tensor parallel.
+LocalShape = Callable[[str, int, int], tuple[int, int]]
+
+
+def float8_targets(model: nn.Module, filter_fqns: list[str], local_shape: LocalShape | None = None) -> Float8Targets:
+    """Which linears convert. A float8 matmul needs both of its dims to be multiples of ``ALIGNMENT`` on the rank
+    that runs it: under tensor parallel (``local_shape``, ``tensor_parallel.local_linear_shape``) that is the
+    shard, ``in / tp`` of a row-parallel linear and ``out / tp`` of a column-parallel one."""
     converted, filtered, misaligned = [], [], []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
+        dims = (module.in_features, module.out_features)
+        if local_shape is not None:
+            dims = (*dims, *local_shape(name, *dims))
         if any(fragment in name for fragment in filter_fqns):
             filtered.append(name)
-        elif module.in_features % ALIGNMENT or module.out_features % ALIGNMENT:
+        elif any(d % ALIGNMENT for d in dims):
             misaligned.append(name)
         else:
             converted.append(name)
@@ -103,17 +114,18 @@ def plan_float8_parallel(plan: Float8Plan | None, wanted: bool, dims, fsdp_imple
 
 
 def plan_float8(converters: list[str], config: Float8, model_args: ModelArgs, device_type: str,
-                planning: bool = False) -> Float8Plan | None:
-    """Which linears become float8 (counted on a meta model), or None without the converter; the one-line error
-    if float8 cannot run here (no torchao, a GPU without float8 matmuls). ``planning`` (the dry run): the GPU
-    planned for is not this machine's; the dry run checks its device table instead."""
+                planning: bool = False, local_shape: LocalShape | None = None) -> Float8Plan | None:
+    """Which linears become float8 (counted on a meta model; ``local_shape``: their shards under tensor parallel),
+    or None without the converter; the one-line error if float8 cannot run here (no torchao, a GPU without float8
+    matmuls). ``planning`` (the dry run): the GPU planned for is not this machine's; the dry run checks its device
+    table instead."""
     if "float8" not in converters:
         return None
     problem = float8_problem("cpu" if planning else device_type)
     if problem is not None:
         raise ConfigError(problem)
     with torch.device("meta"):
-        targets = float8_targets(Transformer(model_args), config.filter_fqns)
+        targets = float8_targets(Transformer(model_args), config.filter_fqns, local_shape)
     return Float8Plan(recipe=config.recipe, filter_fqns=tuple(config.filter_fqns), targets=targets,
                       emulate=device_type == "cpu")
 
@@ -143,14 +155,16 @@ def float8_problem(device_type: str) -> str | None:
     return None
 
 
-def convert_to_float8(model: nn.Module, recipe: str, filter_fqns: list[str], emulate: bool) -> Float8Targets:
-    """Swap ``model``'s target linears for torchao's ``Float8Linear`` (in place) and say which were swapped.
+def convert_to_float8(model: nn.Module, recipe: str, filter_fqns: list[str], emulate: bool,
+                      targets: Float8Targets | None = None) -> Float8Targets:
+    """Swap ``model``'s target linears for torchao's ``Float8Linear`` (in place) and say which were swapped:
+    ``targets`` (the plan's, which knows the tensor-parallel shards), or ``float8_targets`` of the whole linears.
     ``emulate`` (CPU): torchao's emulation, every cast to float8 real but the matmul in fp32 on the dequantized
     values, the same numbers up to the accumulation order; CPU's own ``torch._scaled_mm`` is a reference kernel
     about 250 times slower than an fp32 matmul (measured: 4 s for 512 x 256 x 768)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training  # noqa: PLC0415 -- optional
 
-    targets = float8_targets(model, filter_fqns)
+    targets = targets or float8_targets(model, filter_fqns)
     chosen = set(targets.converted)
     config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
     convert_to_float8_training(model, config=config, module_filter_fn=lambda module, name: name in chosen)

@@ -245,15 +245,19 @@ class CompilePlan:
     # regional: each region gathers the next region's first weights (regions.py; SimpleFSDP gathering per
     # microbatch, no pipeline parallel: train/plan.py)
     region_handoff: bool = False
+    # Inductor rounds through each low-precision cast as eager does, so a recomputed value equals the forward's
+    # (rowwise float8: train/plan.py)
+    emulate_precision_casts: bool = False
 
     def inductor_options(self) -> dict[str, Any]:
         """The Inductor settings of this compile that do not depend on the graph (``compile_model`` adds its
         post-grad pass): the ones that keep a compile from talking to other ranks (``rank_local_compile_options``:
-        pipeline stages compile one after another), and async tensor parallel's pass."""
+        pipeline stages compile one after another), async tensor parallel's pass, and precision-cast emulation."""
         if self.backend != "inductor":
             return {}
         return {**rank_local_compile_options(),
-                **(async_tensor_parallel_options() if self.async_tensor_parallel else {})}
+                **(async_tensor_parallel_options() if self.async_tensor_parallel else {}),
+                **({"emulate_precision_casts": True} if self.emulate_precision_casts else {})}
 
     @property
     def enabled(self) -> bool:

@@ -30,6 +30,7 @@ SimpleFSDP rebuilds each TP DTensor parameter on the joint ``(dp, tp)`` mesh (``
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch.distributed as dist
 from torch import nn
@@ -96,6 +97,20 @@ def _float8_styles(block: nn.Module) -> dict[str, object]:
         styles.update({f"{sublayer}.{n}": Float8ColwiseParallel() for n in colwise})
         styles[f"{sublayer}.{rowwise}"] = Float8RowwiseParallel(output_layouts=Shard(1), use_local_output=False)
     return styles
+
+
+def local_linear_shape(tp: int) -> Callable[[str, int, int], tuple[int, int]]:
+    """``(linear's name, in_features, out_features) -> (in, out)`` of its shard on one of ``tp`` ranks: the plan's
+    row-parallel linears split their input features, every other linear (column-parallel, the output projection
+    too) its output features. What a float8 matmul must find aligned (``models/float8.float8_targets``)."""
+    row_parallel = {name for name, style in block_plan().items() if isinstance(style, RowwiseParallel)}
+
+    def local(name: str, in_features: int, out_features: int) -> tuple[int, int]:
+        if name.split(".", 2)[-1] in row_parallel:  # layers.N.<name in the block>
+            return in_features // tp, out_features
+        return in_features, out_features // tp
+
+    return local
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, float8: bool = False

@@ -65,7 +65,8 @@ def build_model_parts(plan: RunPlan, mesh: DeviceMesh | None, device: torch.devi
     with torch.device("meta"):
         model = Transformer(plan.model_args)
     if plan.float8 is not None:  # before tensor parallel, AC and SimpleFSDP: they see plain linears' weights
-        convert_to_float8(model, plan.float8.recipe, list(plan.float8.filter_fqns), emulate=plan.float8.emulate)
+        convert_to_float8(model, plan.float8.recipe, list(plan.float8.filter_fqns), emulate=plan.float8.emulate,
+                          targets=plan.float8.targets)
     num_params = count_parameters(model)
     flops = flops_per_token(plan.model_args, count_parameters(model, exclude_embedding=True), training.seq_len)
     if plan.pipeline is not None:

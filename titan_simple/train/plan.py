@@ -38,6 +38,7 @@ from titan_simple.parallel.compile import CompilePlan
 from titan_simple.parallel.dims import ParallelDims, validate_parallelism
 from titan_simple.parallel.parallelize import ParallelPlan
 from titan_simple.parallel.pipeline import ZERO_BUBBLE_SCHEDULES, PipelinePlan, plan_pipeline
+from titan_simple.parallel.tensor_parallel import local_linear_shape
 from titan_simple.parallel.torch_private import cross_rank_compile_settings
 from titan_simple.train.batching import accumulation_steps
 from titan_simple.train.loss import LossPlan
@@ -183,7 +184,8 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     validate_parallelism(dims, model_args, config)
     check_initial_weights(config, model_args)
     check_profiling(config, world_size, device_type)
-    float8 = plan_float8(config.model.converters, config.float8, model_args, device_type, config.dry_run.enable)
+    float8 = plan_float8(config.model.converters, config.float8, model_args, device_type, config.dry_run.enable,
+                         local_shape=local_linear_shape(dims.tp) if dims.tp > 1 else None)
     pipeline = plan_pipeline(config, model_args.n_layers, dims.pp) if dims.pp > 1 else None
     training = config.training
     # With fault tolerance the global batch spans every replica group: each group's dp ranks read their rows of it.
@@ -208,6 +210,10 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
                         and (compile_config.reorder or compile_config.bucketing == "auto")),
         async_tensor_parallel=choose_async_tensor_parallel(config, dims, device_type),
         cache_dir=compile_cache_folder(config),
+        # Rowwise float8 rounds each scale to a power of two: a value Inductor recomputes in backward (selective
+        # AC) without the eager casts' rounding can flip a scale and the cast after it (TorchTitan sets it for
+        # rowwise too; pytorch#150859: rowwise + compile + selective AC stalled, then NaN, on 8B).
+        emulate_precision_casts=float8 is not None and float8.recipe.startswith("rowwise"),
     )
     loss_parallel = uses_loss_parallel(config, dims)
     ac = config.activation_checkpoint
