@@ -96,6 +96,18 @@ def test_cuda_runs_get_the_variables_and_a_log_line(tmp_path):
     assert lines[1].endswith(" | kept yours: TORCH_NCCL_ASYNC_ERROR_HANDLING=1")
 
 
+def test_fault_tolerance_fixes_the_nonblocking_timeout_before_any_group_exists(tmp_path):
+    """torchft's replica group runs NCCL non-blocking; torch reads TORCH_NCCL_NONBLOCKING_TIMEOUT once per process,
+    so it is set with the other variables, from [fault_tolerance] timeout_seconds, before any group is built."""
+    environ: dict[str, str] = {}
+    prepare_process_environment(config(tmp_path, "--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
+                                       "--fault_tolerance.timeout_seconds", "45"), "cuda", environ)
+    assert environ["TORCH_NCCL_NONBLOCKING_TIMEOUT"] == "45"
+    plain: dict[str, str] = {}
+    prepare_process_environment(config(tmp_path), "cuda", plain)
+    assert "TORCH_NCCL_NONBLOCKING_TIMEOUT" not in plain
+
+
 def test_cpu_runs_touch_no_variable(tmp_path):
     environ: dict[str, str] = {}
     lines = prepare_process_environment(config(tmp_path), "cpu", environ)

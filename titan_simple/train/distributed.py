@@ -106,9 +106,15 @@ def allocator_environment(environ: Mapping[str, str], expandable_segments: bool)
 # default /tmp/nccl_trace_rank_). We set every name of a setting, so any torch reads the same value; if the user
 # set any of them, we set none. ASYNC_ERROR_HANDLING=3 (tear down without aborting the communicators) is torch's
 # own default and the mode that still writes the flight recorder's dump (1 aborts first).
-def _nccl_settings(trace_buf_size: int, trace_prefix: str) -> list[tuple[tuple[str, ...], str]]:
+# NONBLOCKING_TIMEOUT (fault tolerance only): how long an operation on a non-blocking communicator -- torchft's
+# replica group's -- may take; torch reads it once per process, so it is set here, before any group exists, from
+# [fault_tolerance] timeout_seconds (torchft would set it when its group is built, after ours).
+def _nccl_settings(trace_buf_size: int, trace_prefix: str,
+                   nonblocking_timeout: float | None = None) -> list[tuple[tuple[str, ...], str]]:
     settings = [(("TORCH_NCCL_ASYNC_ERROR_HANDLING",), "3"),
                 (("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"), str(trace_buf_size))]
+    if nonblocking_timeout is not None:
+        settings.append((("TORCH_NCCL_NONBLOCKING_TIMEOUT",), str(max(1, round(nonblocking_timeout)))))
     if trace_buf_size > 0:
         settings += [(("TORCH_NCCL_DUMP_ON_TIMEOUT",), "1"),
                      (("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"), trace_prefix)]
@@ -123,11 +129,12 @@ class EnvironmentChanges:
     kept: dict[str, str] = field(default_factory=dict)
 
 
-def nccl_environment(environ: Mapping[str, str], trace_buf_size: int, trace_prefix: str) -> EnvironmentChanges:
-    """The NCCL variables to set (error handling, flight recorder size, dump on timeout, dump file prefix) and
-    the user's own values that stay."""
+def nccl_environment(environ: Mapping[str, str], trace_buf_size: int, trace_prefix: str,
+                     nonblocking_timeout: float | None = None) -> EnvironmentChanges:
+    """The NCCL variables to set (error handling, flight recorder size, dump on timeout, dump file prefix, and with
+    fault tolerance the non-blocking timeout) and the user's own values that stay."""
     changes = EnvironmentChanges()
-    for names, value in _nccl_settings(trace_buf_size, trace_prefix):
+    for names, value in _nccl_settings(trace_buf_size, trace_prefix, nonblocking_timeout):
         users = {name: environ[name] for name in names if name in environ}
         if users:
             changes.kept.update(users)
@@ -152,7 +159,9 @@ def prepare_process_environment(config: JobConfig, device_type: str,
         logger.warning("CUDA started before %s was set: the allocator keeps its defaults.", ALLOCATOR_VARIABLES[0])
     lines = [_apply("allocator", allocator, {n: environ[n] for n in ALLOCATOR_VARIABLES if n in environ}, environ)]
     traces = Path(config.job.dump_folder) / comm.save_traces_folder
-    nccl = nccl_environment(environ, comm.trace_buf_size, str(traces / "rank_"))
+    ft = config.fault_tolerance
+    nccl = nccl_environment(environ, comm.trace_buf_size, str(traces / "rank_"),
+                            nonblocking_timeout=ft.timeout_seconds if ft.enable else None)
     if comm.trace_buf_size > 0:
         traces.mkdir(parents=True, exist_ok=True)
     lines.append(_apply(f"comm: nccl, {timeouts}", nccl.set, nccl.kept, environ))

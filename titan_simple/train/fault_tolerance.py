@@ -18,6 +18,14 @@ global batch order stays the one the configured world would read (``data/sample_
 their own rows and the dead group's rows of those steps are never seen. The quorum is synchronous (torchft's
 ``use_async_quorum=False``), so a healing group has its new state before its forward and takes part in that
 step; the price is one lighthouse round trip per step before the forward.
+
+**Healing** sends a live rank's shards to the healing rank over the replica groups' own process group (torchft's
+``PGTransport``: NCCL from GPU to GPU into the live tensors, gloo on CPU), within a recovery timeout derived from
+the state's size (``recovery_timeout``). **The cross-group average** reduces the gradient shards where they live:
+on the first step they move into one flat buffer per dtype and stay there (autograd accumulates into those views
+and the optimizer zeroes them in place), so every step all-reduces slices of it with no copy (``GradientBuckets``).
+**On NCCL** the replica group's communicators abort on a peer's error instead of tearing down the process
+(``replica_process_group``): a surviving group lives on and torchft configures the next quorum's group.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -144,7 +153,7 @@ class ReplicaState:
                 for p in self.params
             ]
             return {
-                "params": [_local(p) for p in self.params],
+                "params": [_local(p).detach() for p in self.params],  # plain tensors, for torchft's transport
                 "optimizer": optimizer_state,
                 "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
                 "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
@@ -191,19 +200,132 @@ def _tensor_bytes(tensor: torch.Tensor) -> bytes:
 # ------------------------------------------------------------------------------------------- groups
 
 
-def _buckets(tensors: list[torch.Tensor], cap_bytes: int) -> Iterator[list[torch.Tensor]]:
-    """Consecutive tensors of one dtype, at most ``cap_bytes`` per bucket (a larger tensor goes alone)."""
-    bucket: list[torch.Tensor] = []
-    size = 0
-    for tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        if bucket and (size + nbytes > cap_bytes or tensor.dtype != bucket[0].dtype):
-            yield bucket
-            bucket, size = [], 0
-        bucket.append(tensor)
-        size += nbytes
-    if bucket:
-        yield bucket
+def state_bytes(state_dict: Any) -> int:
+    """The bytes of every tensor in ``state_dict`` (nested dicts, lists and tuples)."""
+    if isinstance(state_dict, torch.Tensor):
+        return _local(state_dict).numel() * state_dict.element_size()
+    if isinstance(state_dict, dict):
+        return sum(state_bytes(v) for v in state_dict.values())
+    if isinstance(state_dict, list | tuple):
+        return sum(state_bytes(v) for v in state_dict)
+    return 0
+
+
+def recovery_timeout(nbytes: int, timeout_seconds: float, gb_per_second: float) -> timedelta:
+    """How long a heal of ``nbytes`` may take: the per-operation timeout plus the transfer at the slowest allowed rate
+    (``[fault_tolerance] heal_gb_per_second``). torchft bounds the whole heal -- send, metadata, receive -- by it."""
+    return timedelta(seconds=timeout_seconds + nbytes / (gb_per_second * 1e9))
+
+
+# NCCL's error handling for torchft's replica group: 2 (CleanUpOnly) aborts a failed communicator and lets the process
+# live, so torchft configures the next quorum's group. Our own groups keep 3 (train/distributed.py), under which torch's
+# watchdog ends the process on a communicator error: a peer group's death would take the survivors with it.
+REPLICA_NCCL_ERROR_HANDLING = "2"
+_ENVIRONMENT_LOCK = threading.Lock()  # torchft builds its groups on its quorum thread
+
+
+def replica_nccl_group_class() -> type:
+    """torchft's reconfigurable ``ProcessGroupNCCL`` whose communicators are built with
+    ``TORCH_NCCL_ASYNC_ERROR_HANDLING = REPLICA_NCCL_ERROR_HANDLING``: torch reads the variable in each group's
+    constructor, so it is set around that call only (``ProcessGroupNCCL.Options`` has no field for it)."""
+    from torchft.process_group import ProcessGroupNCCL
+
+    class ReplicaProcessGroupNCCL(ProcessGroupNCCL):
+        def _create_pg(self, store, rank: int, world_size: int):
+            with _ENVIRONMENT_LOCK:
+                previous = os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING")
+                os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = REPLICA_NCCL_ERROR_HANDLING
+                try:
+                    return super()._create_pg(store, rank, world_size)
+                finally:
+                    if previous is None:
+                        del os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"]
+                    else:
+                        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = previous
+
+    return ReplicaProcessGroupNCCL
+
+
+def replica_process_group(device: torch.device, timeout: timedelta) -> Any:
+    """The group that links rank r of every live replica group: NCCL on GPUs (``replica_nccl_group_class``), gloo on
+    CPU; ``timeout`` bounds each of its operations."""
+    if device.type == "cuda":
+        return replica_nccl_group_class()(timeout=timeout)
+    from torchft.process_group import ProcessGroupGloo
+
+    return ProcessGroupGloo(timeout=timeout)
+
+
+class GradientBuckets:
+    """The gradient shards of a rank, living in one flat buffer per dtype, all-reduced across the groups in slices
+    of at most ``cap_bytes`` (one all-reduce per slice, all in flight at once).
+
+    On the first step (and after anything freed them: an uncommitted step's ``zero_grad``) each gradient is copied
+    into its place in the buffer and the parameter's ``.grad`` becomes a view of it; from then on autograd (and
+    SimpleFSDP's once-per-step reduce) accumulates into those views, the step zeroes them in place
+    (``TrainStep.keep_grad_buffers``), and averaging copies nothing. ``in_bf16``: a persistent bf16 buffer the fp32
+    gradients are cast into and back from instead (half the bytes between groups)."""
+
+    def __init__(self, cap_bytes: int, in_bf16: bool = False) -> None:
+        self.cap_bytes, self.in_bf16 = cap_bytes, in_bf16
+        self.flats: dict[torch.dtype, torch.Tensor] = {}
+        self.bf16: torch.Tensor | None = None  # in_bf16: the buffer the all-reduces run on
+        self._views: list[torch.Tensor] = []  # this rank's gradient shards, views of self.flats
+        self._params: list[torch.nn.Parameter] = []
+
+    def _in_place(self, params: list[torch.nn.Parameter]) -> bool:
+        return params == self._params and all(
+            _local(p.grad).data_ptr() == view.data_ptr() for p, view in zip(params, self._views, strict=True))
+
+    def _adopt(self, params: list[torch.nn.Parameter]) -> None:
+        """Put every gradient in its place in the flat buffers and make ``.grad`` a view of it."""
+        sizes: dict[torch.dtype, int] = {}
+        for p in params:
+            sizes[p.grad.dtype] = sizes.get(p.grad.dtype, 0) + _local(p.grad).numel()
+        if {d: t.numel() for d, t in self.flats.items()} != sizes:
+            self.flats = {dtype: torch.empty(n, dtype=dtype, device=params[0].grad.device)
+                          for dtype, n in sizes.items()}
+        offsets = dict.fromkeys(sizes, 0)
+        self._views = []
+        with torch.no_grad():
+            for p in params:
+                local = _local(p.grad)
+                start = offsets[local.dtype]
+                view = self.flats[local.dtype][start:start + local.numel()].view(local.shape)
+                offsets[local.dtype] = start + local.numel()
+                view.copy_(local)
+                p.grad = (DTensor.from_local(view, p.grad.device_mesh, p.grad.placements, run_check=False,
+                                             shape=p.grad.shape, stride=p.grad.stride())
+                          if isinstance(p.grad, DTensor) else view)
+                self._views.append(view)
+        self._params = list(params)
+
+    def buffers(self, params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+        """The flat buffers to all-reduce this step, with ``params``' gradients in them."""
+        if not self._in_place(params):
+            self._adopt(params)
+        if not self.in_bf16:
+            return list(self.flats.values())
+        total = sum(t.numel() for t in self.flats.values())
+        if self.bf16 is None or self.bf16.numel() != total:
+            self.bf16 = torch.empty(total, dtype=torch.bfloat16, device=self._views[0].device)
+        offset = 0
+        for flat in self.flats.values():
+            self.bf16[offset:offset + flat.numel()].copy_(flat)
+            offset += flat.numel()
+        return [self.bf16]
+
+    def finish(self) -> None:
+        """After the all-reduces: bring a bf16 average back into the gradients."""
+        if self.in_bf16 and self.bf16 is not None:
+            offset = 0
+            for flat in self.flats.values():
+                flat.copy_(self.bf16[offset:offset + flat.numel()])
+                offset += flat.numel()
+
+    def slices(self, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
+        step = max(1, self.cap_bytes // buffer.element_size())
+        yield from buffer.split(step)
 
 
 class ReplicaGroups:
@@ -213,7 +335,7 @@ class ReplicaGroups:
     def __init__(self, config: Any, *, state: ReplicaState, rank: int, world_size: int, device: torch.device,
                  lighthouse: str, dump_folder: str) -> None:
         from torchft import Manager
-        from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+        from torchft.checkpointing.pg_transport import PGTransport
 
         ft = config.fault_tolerance
         for name in ("torchft", "torchft_quorums", "torchft_commits"):  # torchft logs every step at INFO
@@ -221,7 +343,7 @@ class ReplicaGroups:
         if device.type != "cuda":  # every new quorum warns that NCCL's flight recorder (absent here) was not reset
             logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
         self.group_size = ft.group_size
-        self.bucket_cap_bytes = int(ft.bucket_cap_mb * 2**20)
+        self.gradients = GradientBuckets(int(ft.bucket_cap_mb * 2**20), in_bf16=ft.allreduce_in_bf16)
         self.state = state
         self.healed: Progress | None = None
         self.committed_steps = 0  # before the step in flight
@@ -232,10 +354,17 @@ class ReplicaGroups:
         self.quorum_seconds = 0.0  # of the last start_step: a stall waiting for a quorum, or a heal, shows here
         self.allreduce_seconds = 0.0  # of the last average()
         timeout = timedelta(seconds=ft.timeout_seconds)
-        pg = ProcessGroupNCCL(timeout=timeout) if device.type == "cuda" else ProcessGroupGloo(timeout=timeout)
+        pg = replica_process_group(device, timeout)
+        # The whole heal (and the manager's other waits) may take the transfer of this rank's state at the slowest
+        # allowed rate; each operation of the group still fails after `timeout`, and so does a commit.
+        self.recovery_timeout = recovery_timeout(state_bytes(state.state_dict()), ft.timeout_seconds,
+                                                 ft.heal_gb_per_second)
+        self.commit_timeout = timeout
+        transport = PGTransport(pg, timeout=self.recovery_timeout, device=device, state_dict=self._receive_into)
         self.manager = Manager(
             pg=pg, load_state_dict=self._load, state_dict=state.state_dict, min_replica_size=ft.min_replica_size,
-            use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds),
+            use_async_quorum=False, timeout=self.recovery_timeout,
+            quorum_timeout=timedelta(seconds=ft.quorum_timeout_seconds), checkpoint_transport=transport,
             rank=rank, world_size=world_size, lighthouse_addr=lighthouse, replica_id=f"titan_simple_{ft.replica_id}",
             # Every group initializes the same weights from the same seed (or loads the same checkpoint): nothing
             # to send at step 0. A group that is behind still heals from a peer.
@@ -245,6 +374,11 @@ class ReplicaGroups:
         self.manager.load_state_dict({"step": progress.step, "batches_committed": progress.step * ft.group_size})
         self.failure = FailureInjection.from_environment(dump_folder, rank)
         self.hash_file = (Path(dump_folder) / f"shard_hashes_rank{rank}.jsonl") if ft.log_shard_hashes else None
+
+    def _receive_into(self) -> dict[str, Any]:
+        """Where a heal lands: this rank's own tensors, laid out as the sender's state (torchft's manager state
+        around ours), so the shards arrive in place, device to device."""
+        return {"user": {"default": self.state.state_dict()}, "torchft": self.manager.state_dict()}
 
     def _load(self, state: dict[str, Any]) -> None:
         started = time.perf_counter()
@@ -279,29 +413,28 @@ class ReplicaGroups:
         return self.healed
 
     def average(self, params: list[torch.nn.Parameter], loss_sum: torch.Tensor) -> torch.Tensor:
-        """Average this rank's gradient shards and its loss across the live groups, in place, bucketed; returns
-        the averaged loss. A failure leaves them corrupt: ``should_commit`` then says no."""
+        """Average this rank's gradient shards and its loss across the live groups, in place, in slices of the
+        gradient buffer (``GradientBuckets``); returns the averaged loss. A failure leaves them corrupt:
+        ``should_commit`` then says no."""
         started = time.perf_counter()
-        tensors = [_local(p.grad) for p in params if p.grad is not None] + [loss_sum.reshape(1)]
         pending = []
-        for index, bucket in enumerate(_buckets(tensors, self.bucket_cap_bytes)):
-            flat = torch.cat([t.reshape(-1) for t in bucket])
-            pending.append((self.manager.allreduce(flat), flat, bucket))
-            if index == 0:
-                self.failure.maybe_pause("allreduce", self.committed_steps)
-        for work, flat, bucket in pending:
+        for buffer in self.gradients.buffers([p for p in params if p.grad is not None]):
+            for piece in self.gradients.slices(buffer):
+                pending.append(self.manager.allreduce(piece))
+                if len(pending) == 1:
+                    self.failure.maybe_pause("allreduce", self.committed_steps)
+        loss = loss_sum.detach().reshape(1).clone()
+        pending.append(self.manager.allreduce(loss))
+        for work in pending:
             work.wait()
-            offset = 0
-            for tensor in bucket:
-                tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-                offset += tensor.numel()
+        self.gradients.finish()
         self.allreduce_seconds = time.perf_counter() - started
-        return tensors[-1].reshape(())
+        return loss.reshape(())
 
     def should_commit(self) -> bool:
         """Whether every rank of this group and the quorum's groups completed the step (collective in the
         group); the optimizer steps only then. A step that is not committed is retried."""
-        committed = self.manager.should_commit()
+        committed = self.manager.should_commit(timeout=self.commit_timeout)
         if not committed:
             self.uncommitted_steps += 1
             logger.warning("fault tolerance: step not committed (a peer group failed: %s); retrying it",

@@ -102,7 +102,8 @@ class TrainStep:
         tokens_per_batch = batches[0][1].numel() * self.dims.dp
         global_tokens = tokens_per_batch * len(batches)
         loss_scale = self.loss_scale(global_tokens)
-        self.optimizer.zero_grad(set_to_none=not self.keep_grad_buffers)
+        # Replica groups average the gradients in the buffer they live in (fault_tolerance.GradientBuckets): zero it.
+        self.optimizer.zero_grad(set_to_none=not (self.keep_grad_buffers or self.replicas is not None))
         loss_sum = torch.zeros((), device=self.device)
         if self.plan.parallel.float8_all_gather:  # the weights changed: this step's float8 scales, one all-reduce
             refresh_float8_weights(self.parts.modules)
