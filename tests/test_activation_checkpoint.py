@@ -24,9 +24,11 @@ SAVE, RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class _Recording(SelectiveOpPolicy):
-    """The policy, recording each matmul's decision with its output width and each attention's decision."""
+    """The policy, recording each projection's decision with its output width, each attention's decision and (into
+    ``bmm_log``) each batched matmul's."""
 
     log: list[tuple[str, int, CheckpointPolicy]] = []
+    bmm_log: list[tuple[str, CheckpointPolicy]] | None = None
 
     def fresh(self) -> _Recording:
         return _Recording(self.every_second_matmul)
@@ -34,14 +36,19 @@ class _Recording(SelectiveOpPolicy):
     def __call__(self, ctx, op, *args, **kwargs):
         decision = super().__call__(ctx, op, *args, **kwargs)
         name = str(op)
-        if "mm" in name:
+        if op is torch.ops.aten.bmm.default:
+            if _Recording.bmm_log is not None:
+                square = args[1].shape[-1] == args[0].shape[-2]
+                _Recording.bmm_log.append(("scores" if square else "attention output", decision))
+        elif "mm" in name:
             _Recording.log.append(("mm", args[1].shape[-1], decision))
         elif "attention" in name:
             _Recording.log.append(("attention", 0, decision))
         return decision
 
 
-def _block_decisions(every_second_matmul: bool, float8: bool = False) -> tuple[list, TransformerBlock]:
+def _block_decisions(every_second_matmul: bool, float8: bool = False, bmm_log: list | None = None,
+                     seq: int = 16) -> tuple[list, TransformerBlock]:
     args = LLAMA3_FLAVORS["debugmodel"]
     torch.manual_seed(0)
     block = TransformerBlock(0, args)
@@ -50,11 +57,12 @@ def _block_decisions(every_second_matmul: bool, float8: bool = False) -> tuple[l
 
         convert_to_float8(block, "tensorwise", [], emulate=True)
     apply_checkpoint(block, _Recording(every_second_matmul))
-    freqs = precompute_freqs_cis(args.head_dim, 16, args.rope_theta)
-    x = torch.randn(2, 16, args.dim, requires_grad=True)
-    _Recording.log = []
+    freqs = precompute_freqs_cis(args.head_dim, seq, args.rope_theta)
+    x = torch.randn(2, seq, args.dim, requires_grad=True)
+    _Recording.log, _Recording.bmm_log = [], bmm_log
     for _ in range(2):  # the count restarts for every checkpointed forward
         block(x, freqs).sum().backward()
+    _Recording.bmm_log = None
     return _Recording.log, block
 
 
@@ -68,6 +76,22 @@ def test_op_policy_saves_attention_and_every_second_matmul():
         ("mm", ffn.w1.out_features, SAVE), ("mm", ffn.w3.out_features, RECOMPUTE), ("mm", ffn.w2.out_features, SAVE),
     ]
     assert log == one_forward * 2
+
+
+def test_sdpa_math_fallback_keeps_the_projections_decisions_and_recomputes_the_scores():
+    """SDPA's math kernel runs attention as two batched matmuls: they do not count as projections (the decisions on
+    wq .. w2 stay the fused kernel's), the score matrix Q K^T is recomputed as a fused kernel would, and P.V -- the
+    attention output -- saved as a fused kernel's output is."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    fused, _ = _block_decisions(every_second_matmul=True)
+    log, decisions = [], {}
+    with sdpa_kernel(SDPBackend.MATH):
+        math_log, block = _block_decisions(every_second_matmul=True, bmm_log=log, seq=32)  # scores 32 x 32
+    assert [entry for entry in math_log if entry[0] == "mm"] == [entry for entry in fused if entry[0] == "mm"]
+    for kind, decision in log:
+        decisions.setdefault(kind, set()).add(decision)
+    assert decisions == {"scores": {RECOMPUTE}, "attention output": {SAVE}}
 
 
 def test_op_policy_counts_a_recomputation_apart_from_its_forward():

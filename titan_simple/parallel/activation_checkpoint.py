@@ -201,12 +201,16 @@ def is_checkpointed(module: nn.Module) -> bool:
 # ---------------------------------------------------------------------------------------------- AC modes
 
 _aten = torch.ops.aten
-_MATMULS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default}
+# The block's projections (linear layers): what every-second-matmul counts. Attention's own matmuls never run as these:
+# a fused kernel is one op (_ATTENTION), and SDPA's math fallback multiplies batched (bmm), so a fallback cannot
+# shift the count.
+_MATMULS = {_aten.mm.default, _aten.addmm.default}
 _ATTENTION = {
     _aten._scaled_dot_product_flash_attention.default,
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.higher_order.flex_attention,
 }
 # Tensor-parallel activation collectives whose outputs are saved: sequence parallel's reduce-scatters (a sequence
 # shard; recomputing one would rerun its matmul and the collective) and the all-reduce without it. Sequence
@@ -235,7 +239,9 @@ class SelectiveOpPolicy:
     second matmul of each block's forward, counting in call order from 1 and recomputing the even ones. In a
     Llama block the matmuls run wq, wk, wv, wo, w1, w3, w2: wq, wv, w1 and w2 are saved, wk, wo and w3
     recomputed. ``False`` (``"op_all_matmuls"``): every matmul output is saved (less recompute, more memory).
-    Attention outputs, tensor parallel's reduce-scatters and float8's amaxes (``FLOAT8_AMAX_OPS``) are always saved.
+    Attention outputs (of the fused kernels, flex attention, or P.V of SDPA's math fallback, whose score matrix Q K^T
+    is recomputed as the fused kernels do), tensor parallel's reduce-scatters and float8's amaxes
+    (``FLOAT8_AMAX_OPS``) are always saved.
 
     A row-parallel matmul's partial sums are never saved (``_partial_product``): the reduce-scatter's output is.
     Sequence parallel's all-gathers over ``tensor_parallel_groups`` are recomputed: each gathers a sublayer's
@@ -255,6 +261,7 @@ class SelectiveOpPolicy:
         if self.tensor_parallel_groups:
             self.cache_key += f" regather({','.join(sorted(self.tensor_parallel_groups))})"
         self.matmuls = {False: 0, True: 0}  # is_recompute -> matmuls seen
+        self.batched_matmuls = {False: 0, True: 0}  # the same for SDPA's math fallback: its 1st, 3rd, ... are Q K^T
 
     def fresh(self) -> SelectiveOpPolicy:
         return SelectiveOpPolicy(self.every_second_matmul, self.tensor_parallel_groups)
@@ -266,6 +273,11 @@ class SelectiveOpPolicy:
             if self.every_second_matmul and self.matmuls[recomputing] % 2 == 0 or _partial_product(op, args):
                 return CheckpointPolicy.PREFER_RECOMPUTE
             return CheckpointPolicy.MUST_SAVE
+        if op is _aten.bmm.default:  # SDPA's math fallback, Q K^T then P.V: recompute the scores, save the output
+            recomputing = bool(getattr(ctx, "is_recompute", False))
+            self.batched_matmuls[recomputing] += 1
+            scores = self.batched_matmuls[recomputing] % 2 == 1
+            return CheckpointPolicy.PREFER_RECOMPUTE if scores else CheckpointPolicy.MUST_SAVE
         if op is _c10d.all_gather_into_tensor.default and args[2] in self.tensor_parallel_groups:
             return CheckpointPolicy.MUST_RECOMPUTE
         if op in _ATTENTION or op in _SAVED_TENSOR_PARALLEL_COLLECTIVES or op in FLOAT8_AMAX_OPS:
