@@ -5,6 +5,8 @@
 #   bash scripts/gpu_session.sh OUT_DIR float8   # the float8 session (issue 31): about 3 minutes
 #   bash scripts/gpu_session.sh OUT_DIR float8_speed   # its phase 2 alone
 #   bash scripts/gpu_session.sh OUT_DIR planner  # issue 33: 4 one-GPU layouts of the speed job (AC, batch)
+#   bash scripts/gpu_session.sh OUT_DIR rowwise_probe  # issue 43: step-1 gradient norms of float8 rowwise, fixed
+#                                                      # and not, against bf16: about 5 minutes on one H100
 #
 # The single-GPU session. Phase 1 (jobs side by side, each under its own time limit; only correctness is read from them):
 #   gpu_check      scripts/gpu_check.py on the visible GPU (compile vs eager in bf16, memory, MFU, DCP, trace)
@@ -73,6 +75,25 @@ if [ "$SESSION" = planner ]; then  # issue 33: does the dry run rank one GPU's l
   speed speed_none_lbs1 80 --activation_checkpoint.mode=none
   speed speed_full_lbs1 80 --activation_checkpoint.mode=full
   speed speed_sel_lbs2 80 --training.local_batch_size=2
+  echo "done: $(date +%T)"
+  mkdir -p "$OUT_DIR"
+  "${PYTHON:-python3}" scripts/gpu_session_summary.py "$LOGS" | tee "$OUT_DIR/summary.txt"
+  tar -czf "$OUT_DIR/logs.tar.gz" --exclude=compile_cache --exclude=checkpoint -C "$LOGS" .
+  exit 0
+fi
+
+if [ "$SESSION" = rowwise_probe ]; then  # issue 43: rowwise diverged on this job (grad norm 306 vs bf16's 3.15)
+  # The speed job (4 of 8B's layers, seq 8192, selective op AC, compiled with the loss), 3 steps each: bf16; rowwise as
+  # shipped (amaxes saved, Inductor's precision-cast emulation); rowwise without both (as it diverged); rowwise with
+  # AC off; rowwise eager. The summary prints each job's gradient norms step by step.
+  echo "rowwise probe: $(date +%T)"
+  ROWWISE=(--model.converters=float8 --float8.recipe=rowwise)
+  PROBE=(--training.steps=3 --lr_scheduler.warmup_steps=1)
+  speed probe_bf16 80 "${PROBE[@]}"
+  speed probe_rowwise 90 "${PROBE[@]}" "${ROWWISE[@]}"
+  speed probe_rowwise_unstable 90 "${PROBE[@]}" "${ROWWISE[@]}" --float8.stable_recompute=false
+  speed probe_rowwise_ac_none 90 "${PROBE[@]}" "${ROWWISE[@]}" --activation_checkpoint.mode=none
+  speed probe_rowwise_eager 70 "${PROBE[@]}" "${ROWWISE[@]}" --compile.enable=false
   echo "done: $(date +%T)"
   mkdir -p "$OUT_DIR"
   "${PYTHON:-python3}" scripts/gpu_session_summary.py "$LOGS" | tee "$OUT_DIR/summary.txt"

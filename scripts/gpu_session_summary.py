@@ -1,5 +1,5 @@
 """The summary of one ``scripts/gpu_session.sh`` run: each job's exit status, last step and first error; the
-compiled-vs-eager loss differences; tokens/s, TFLOP/s and MFU of the speed pair.
+compiled-vs-eager loss differences; tokens/s, TFLOP/s and MFU of the speed pair; the rowwise probe's gradient norms.
 
     python scripts/gpu_session_summary.py LOG_DIR
 """
@@ -74,6 +74,12 @@ def main(folder: Path) -> None:
             last = sorted(curve)[-10:]
             print(f"{name}: mean loss of the last {len(last)} logged steps ({last[0]}-{last[-1]}) "
                   f"{statistics.mean(curve[s]['loss'] for s in last):.4f}")
+    probes = sorted(n for n in parsed if n.startswith("probe_"))
+    if probes:  # the rowwise probe: gradient norms step by step, against bf16's
+        print("gradient norms by step (rowwise probe):")
+        for name in probes:
+            norms = [f"{parsed[name][s].get('grad_norm', float('nan')):g}" for s in sorted(parsed[name])]
+            print(f"  {name:<24} {' '.join(norms) or 'no step'}")
     for name in sorted(n for n in parsed if n.startswith("speed_")):
         measured = [v for s, v in parsed.get(name, {}).items() if s > WARMUP]
         if not measured:

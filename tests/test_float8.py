@@ -96,6 +96,9 @@ def test_rowwise_compiles_with_precision_cast_emulation():
     for recipe, emulated in (("tensorwise", False), ("rowwise", True), ("rowwise_with_gw_hp", True)):
         plan = resolve_plan(RECIPE.config(*FLOAT8, f"--float8.recipe={recipe}", "--compile.enable"), 1, "cpu")
         assert plan.compile.inductor_options().get("emulate_precision_casts", False) is emulated, recipe
+    off = resolve_plan(RECIPE.config(*FLOAT8, "--float8.recipe=rowwise", "--compile.enable",
+                                     "--float8.stable_recompute=false"), 1, "cpu")
+    assert "emulate_precision_casts" not in off.compile.inductor_options() and not off.parallel.save_float8_amax
     assert hasattr(torch._inductor.config, "emulate_precision_casts")  # torch.compile refuses unknown options
 
 

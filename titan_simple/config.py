@@ -98,6 +98,11 @@ class Float8:
         "scales). Same numbers as gathering in bf16. Rowwise and FSDP2 "
         "gather in the param dtype; the plan line says which."
     )
+    stable_recompute: bool = option(
+        True, "Recomputed float8 casts equal the forward's: selective AC saves each scale's amax and, compiled, "
+        "rowwise runs with Inductor's precision-cast emulation (TorchTitan's workaround for rowwise + compile + "
+        "selective AC diverging). false turns both off, only to compare (scripts/gpu_session.sh rowwise_probe)."
+    )
 
 
 @dataclass

@@ -254,17 +254,21 @@ class SelectiveOpPolicy:
     recomputation replays its decisions); torch 2.11 calls it again while recomputing (``ctx.is_recompute``), where
     one shared count would run on and recompute wk from wq's saved output (seen eagerly on torch 2.11)."""
 
-    def __init__(self, every_second_matmul: bool, tensor_parallel_groups: Iterable[str] = ()) -> None:
+    def __init__(self, every_second_matmul: bool, tensor_parallel_groups: Iterable[str] = (),
+                 save_float8_amax: bool = True) -> None:
         self.every_second_matmul = every_second_matmul
         self.tensor_parallel_groups = frozenset(tensor_parallel_groups)
+        self.save_float8_amax = save_float8_amax
         self.cache_key = ("selective_op(every second matmul)" if every_second_matmul else "selective_op(all matmuls)")
         if self.tensor_parallel_groups:
             self.cache_key += f" regather({','.join(sorted(self.tensor_parallel_groups))})"
+        if not save_float8_amax:
+            self.cache_key += " recompute-amax"
         self.matmuls = {False: 0, True: 0}  # is_recompute -> matmuls seen
         self.batched_matmuls = {False: 0, True: 0}  # the same for SDPA's math fallback: its 1st, 3rd, ... are Q K^T
 
     def fresh(self) -> SelectiveOpPolicy:
-        return SelectiveOpPolicy(self.every_second_matmul, self.tensor_parallel_groups)
+        return SelectiveOpPolicy(self.every_second_matmul, self.tensor_parallel_groups, self.save_float8_amax)
 
     def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if op in _MATMULS:
@@ -280,23 +284,25 @@ class SelectiveOpPolicy:
             return CheckpointPolicy.PREFER_RECOMPUTE if scores else CheckpointPolicy.MUST_SAVE
         if op is _c10d.all_gather_into_tensor.default and args[2] in self.tensor_parallel_groups:
             return CheckpointPolicy.MUST_RECOMPUTE
-        if op in _ATTENTION or op in _SAVED_TENSOR_PARALLEL_COLLECTIVES or op in FLOAT8_AMAX_OPS:
+        if op in _ATTENTION or op in _SAVED_TENSOR_PARALLEL_COLLECTIVES or (
+                op in FLOAT8_AMAX_OPS and self.save_float8_amax):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def apply_activation_checkpointing(blocks: nn.ModuleDict | nn.ModuleList, mode: str, option: str = "op",
-                                   tensor_parallel_groups: Iterable[str] = ()) -> None:
+                                   tensor_parallel_groups: Iterable[str] = (), save_float8_amax: bool = True) -> None:
     """``full``: every block keeps only its input. ``selective`` + ``op``: every block saves attention outputs
     and every second matmul output (``SelectiveOpPolicy``); ``op_all_matmuls``: every matmul output.
     ``selective`` + ``N``: every N-th block is fully checkpointed. ``tensor_parallel_groups``: the groups whose
-    activation all-gathers the op policies gather again in backward."""
+    activation all-gathers the op policies gather again in backward. ``save_float8_amax``: see SelectiveOpPolicy."""
     blocks = list(blocks.values()) if isinstance(blocks, nn.ModuleDict) else list(blocks)
     if mode == "full":
         apply_checkpoint(blocks, full_recompute_policy)
     elif mode == "selective" and option in SELECTIVE_OP_POLICIES:
         apply_checkpoint(blocks, SelectiveOpPolicy(every_second_matmul=option == "op",
-                                                   tensor_parallel_groups=tensor_parallel_groups))
+                                                   tensor_parallel_groups=tensor_parallel_groups,
+                                                   save_float8_amax=save_float8_amax))
     elif mode == "selective":
         every = int(option)
         apply_checkpoint([b for i, b in enumerate(blocks) if (i + 1) % every == 0], full_recompute_policy)

@@ -43,6 +43,7 @@ class ParallelPlan:
     compile: CompilePlan
     float8_all_gather: bool = False  # SimpleFSDP gathers tensorwise float8 weights in float8
     float8_tensor_parallel: bool = False  # torchao's float8 TP styles for tensorwise float8 linears
+    save_float8_amax: bool = True  # selective op AC saves float8 amaxes ([float8] stable_recompute)
 
 
 def parallelize_llama(model: nn.Module, mesh: DeviceMesh | None, plan: ParallelPlan) -> nn.Module:
@@ -61,7 +62,8 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh | None, plan: ParallelP
 
     if plan.ac_mode != "none":
         tp_groups = [tensor_parallel_mesh(mesh).get_group().group_name] if dims.tp > 1 else []
-        apply_activation_checkpointing(model.layers, plan.ac_mode, plan.ac_option, tensor_parallel_groups=tp_groups)
+        apply_activation_checkpointing(model.layers, plan.ac_mode, plan.ac_option, tensor_parallel_groups=tp_groups,
+                                       save_float8_amax=plan.save_float8_amax)
 
     if plan.compile.mode == "per_block":
         for block in model.layers.values():

@@ -213,7 +213,8 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
         # Rowwise float8 rounds each scale to a power of two: a value Inductor recomputes in backward (selective
         # AC) without the eager casts' rounding can flip a scale and the cast after it (TorchTitan sets it for
         # rowwise too; pytorch#150859: rowwise + compile + selective AC stalled, then NaN, on 8B).
-        emulate_precision_casts=float8 is not None and float8.recipe.startswith("rowwise"),
+        emulate_precision_casts=(float8 is not None and float8.recipe.startswith("rowwise")
+                                 and config.float8.stable_recompute),
     )
     loss_parallel = uses_loss_parallel(config, dims)
     ac = config.activation_checkpoint
@@ -224,6 +225,7 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
         reshard_after_forward=choose_reshard_after_forward(config, dims, gather, reasons), compile=compile_plan,
         float8_all_gather=float8 is not None and float8.all_gather,
         float8_tensor_parallel=float8 is not None and float8.tensor_parallel,
+        save_float8_amax=config.float8.stable_recompute,
     )
     loss = LossPlan(parallel=loss_parallel, compiled_with_model=compile_mode == "whole_with_loss",
                     chunks=choose_loss_chunks(config, compile_mode, reasons))
