@@ -87,13 +87,17 @@ if [ "$SESSION" = rowwise_probe ]; then  # issue 43: rowwise diverged on this jo
   # shipped (amaxes saved, Inductor's precision-cast emulation); rowwise without both (as it diverged); rowwise with
   # AC off; rowwise eager. The summary prints each job's gradient norms step by step.
   echo "rowwise probe: $(date +%T)"
+  # Each job's limit: PROBE_SECONDS (90; 420 s in all on one H100), raised for a CPU rehearsal on a busy machine.
+  # CPU rehearsal: PROBE_SECONDS=300 SPEED_EXTRA="--model.flavor=debugmodel --model.n_layers=2 --training.seq_len=128
+  #   --training.local_batch_size=2 --training.mixed_precision_param=float32" PYTHON=.venv/bin/python bash ...
   ROWWISE=(--model.converters=float8 --float8.recipe=rowwise)
   PROBE=(--training.steps=3 --lr_scheduler.warmup_steps=1)
-  speed probe_bf16 80 "${PROBE[@]}"
-  speed probe_rowwise 90 "${PROBE[@]}" "${ROWWISE[@]}"
-  speed probe_rowwise_unstable 90 "${PROBE[@]}" "${ROWWISE[@]}" --float8.stable_recompute=false
-  speed probe_rowwise_ac_none 90 "${PROBE[@]}" "${ROWWISE[@]}" --activation_checkpoint.mode=none
-  speed probe_rowwise_eager 70 "${PROBE[@]}" "${ROWWISE[@]}" --compile.enable=false
+  seconds=${PROBE_SECONDS:-90}
+  speed probe_bf16 "$seconds" "${PROBE[@]}"
+  speed probe_rowwise "$seconds" "${PROBE[@]}" "${ROWWISE[@]}"
+  speed probe_rowwise_unstable "$seconds" "${PROBE[@]}" "${ROWWISE[@]}" --float8.stable_recompute=false
+  speed probe_rowwise_ac_none "$seconds" "${PROBE[@]}" "${ROWWISE[@]}" --activation_checkpoint.mode=none
+  speed probe_rowwise_eager "$seconds" "${PROBE[@]}" "${ROWWISE[@]}" --compile.enable=false
   echo "done: $(date +%T)"
   mkdir -p "$OUT_DIR"
   "${PYTHON:-python3}" scripts/gpu_session_summary.py "$LOGS" | tee "$OUT_DIR/summary.txt"
