@@ -7,6 +7,8 @@
 #   bash scripts/gpu_session.sh OUT_DIR planner  # issue 33: 4 one-GPU layouts of the speed job (AC, batch)
 #   bash scripts/gpu_session.sh OUT_DIR rowwise_probe  # issue 43: step-1 gradient norms of float8 rowwise, fixed
 #                                                      # and not, against bf16: about 5 minutes on one H100
+#   bash scripts/gpu_session.sh OUT_DIR torchtitan     # issue 43: TorchTitan (FSDP2, SimpleFSDP) and titan_simple
+#                                  # side by side, scripts/torchtitan_side_by_side.sh (carry .gpu/wheels): < 8 min
 #
 # The single-GPU session. Phase 1 (jobs side by side, each under its own time limit; only correctness is read from them):
 #   gpu_check      scripts/gpu_check.py on the visible GPU (compile vs eager in bf16, memory, MFU, DCP, trace)
@@ -80,6 +82,10 @@ if [ "$SESSION" = planner ]; then  # issue 33: does the dry run rank one GPU's l
   "${PYTHON:-python3}" scripts/gpu_session_summary.py "$LOGS" | tee "$OUT_DIR/summary.txt"
   tar -czf "$OUT_DIR/logs.tar.gz" --exclude=compile_cache --exclude=checkpoint -C "$LOGS" .
   exit 0
+fi
+
+if [ "$SESSION" = torchtitan ]; then  # prepared here by scripts/prepare_torchtitan_wheels.sh
+  exec bash scripts/torchtitan_side_by_side.sh "$OUT_DIR"
 fi
 
 if [ "$SESSION" = rowwise_probe ]; then  # issue 43: rowwise diverged on this job (grad norm 306 vs bf16's 3.15)
