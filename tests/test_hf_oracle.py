@@ -43,17 +43,14 @@ LENGTHS = (128, 4096)
 RTOL = 1e-4  # max |d| / max |logit|; measured: about 3e-7 (fp32, different kernels and summation orders)
 SMALL = ["--config", "llama3_debug.toml", "--training.seq_len", "32", "--training.local_batch_size", "2",
          "--lr_scheduler.warmup_steps", "1", "--metrics.enable_tensorboard", "false"]
-# A debug-sized Llama in transformers' terms (2 blocks, our debug model's widths and vocabulary).
-HF_SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=16,
-                num_key_value_heads=8, vocab_size=2000, max_position_embeddings=131072)
-LLAMA3_SCALING = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192}
-HF_FOLDERS = {
-    "llama3.1_scaling": dict(rope_theta=500000.0, rope_scaling={**LLAMA3_SCALING, "factor": 8.0}, rms_norm_eps=1e-5),
-    "llama3.2_scaling_tied": dict(rope_theta=500000.0, rope_scaling={**LLAMA3_SCALING, "factor": 32.0},
-                                  rms_norm_eps=1e-5, tie_word_embeddings=True),
-    "theta_1e4": dict(rope_theta=10000.0),  # and transformers' default epsilon, 1e-6
-}
+# The folders' shapes and RoPE settings are scripts/hf_oracle_check.py's (the same comparison as a table).
+_CHECK = importlib.util.spec_from_file_location("hf_oracle_check", REPO / "scripts" / "hf_oracle_check.py")
+ORACLE_CHECK = importlib.util.module_from_spec(_CHECK)
+_CHECK.loader.exec_module(ORACLE_CHECK)
+HF_SHAPE = ORACLE_CHECK.SHAPE  # a debug-sized Llama in transformers' terms (2 blocks, the debug model's widths)
+LLAMA3_SCALING = ORACLE_CHECK.SCALING
+HF_FOLDERS = dict(zip(("llama3.1_scaling", "llama3.2_scaling_tied", "theta_1e4"), ORACLE_CHECK.FOLDERS.values(),
+                      strict=True))
 
 
 @pytest.fixture(autouse=True)
