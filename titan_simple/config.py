@@ -776,6 +776,8 @@ def validate(config: JobConfig) -> None:
     _validate_checkpoint(config)
     _validate_validation_and_profiling(config)
     _validate_fault_tolerance(config)
+    _require(config.dry_run.world_size >= 1, config, "dry_run", "world_size",
+             "the number of devices to plan for (>= 1)")
 
 
 def _validate_fault_tolerance(config: JobConfig) -> None:

@@ -29,7 +29,13 @@ from typing import Any
 from titan_simple.config import JobConfig
 from titan_simple.errors import ConfigError
 from titan_simple.planning import search_worker
-from titan_simple.planning.bounds import ModelSizes, data_parallel_floor, memory_floor, speed_ceiling
+from titan_simple.planning.bounds import (
+    ADAM_BYTES_PER_PARAMETER,
+    ModelSizes,
+    data_parallel_floor,
+    memory_floor,
+    speed_ceiling,
+)
 from titan_simple.planning.hardware import GIB, planned_device
 from titan_simple.planning.layouts import (
     Layout,
@@ -138,6 +144,7 @@ def run_search(config: JobConfig) -> dict[str, Any]:
     pins = parse_pins(base)
     args = model_of(base)
     sizes = ModelSizes.of(args)
+    check_world_can_hold(base, sizes, args, spec)
     float8 = dry.search_float8 and spec.float8_peak_flops is not None
     layouts = enumerate_layouts(base, args, world, dry.gpus_per_node, float8, dry.search_batch)
     fates: dict[Layout, str] = {}
@@ -200,6 +207,23 @@ def run_search(config: JobConfig) -> dict[str, Any]:
     phases["pricing"] = time.perf_counter() - start - phases["enumerate"] - phases["classes"]
     return _finish(config, base, rows, published_row, fates, layouts, time.perf_counter() - start, spec, phases,
                    floors)
+
+
+def check_world_can_hold(base: JobConfig, sizes: ModelSizes, args, spec) -> None:
+    """One line, before anything is priced, for a world too small to hold the model's weights, gradients and AdamW
+    state at all (however it is sharded), with the GPUs to plan for instead."""
+    world = base.dry_run.world_size
+    state = (sizes.embedding + args.n_layers * sizes.block + sizes.head) * ADAM_BYTES_PER_PARAMETER
+    usable = spec.memory_bytes - spec.runtime_bytes
+    least = -(-int(state * (1 + spec.allocator_overhead)) // int(usable))
+    if world >= least:
+        return
+    nodes = base.dry_run.gpus_per_node
+    plan_for = -(-least // nodes) * nodes if least > nodes else least
+    raise ConfigError(
+        f"[dry_run] search: llama3 {base.model.flavor} cannot fit {world} x {spec.name}: its weights, gradients and "
+        f"AdamW state alone are {state / GIB:,.0f} GiB, {least} GPUs' worth before any activation; plan for at least "
+        f"{plan_for} GPUs (--dry_run.world_size {plan_for}).")
 
 
 def _best_first(pool, bounded, fates, floors, top: int, workers: int, progress: Progress, deadline: float):

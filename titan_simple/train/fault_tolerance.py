@@ -75,6 +75,13 @@ def group_folder(dump_folder: str, replica_id: int) -> str:
     return os.path.join(dump_folder, f"replica_{replica_id}")
 
 
+def log_folder(config: Any) -> str:
+    """Where a run writes its metrics, TensorBoard and run status: ``[job] dump_folder``, or its replica group's
+    folder in it with fault tolerance."""
+    ft = config.fault_tolerance
+    return group_folder(config.job.dump_folder, ft.replica_id) if ft.enable else config.job.dump_folder
+
+
 def lighthouse_address(config: Any) -> str:
     """``[fault_tolerance] lighthouse`` or ``$TORCHFT_LIGHTHOUSE``; one line if neither is set."""
     address = config.fault_tolerance.lighthouse or os.environ.get(LIGHTHOUSE_ENV, "")

@@ -31,7 +31,7 @@ from titan_simple.train.fault_tolerance import (
     ReplicaGroups,
     ReplicaState,
     check_fault_tolerance,
-    group_folder,
+    log_folder,
 )
 from titan_simple.train.metrics import (
     MemoryMonitor,
@@ -69,7 +69,7 @@ class Trainer:
         self.lighthouse = check_fault_tolerance(config, self.dims) if ft.enable else None
         # Each group logs into its own folder (its ranks are numbered like every other group's); checkpoints stay
         # shared in dump_folder: any group restores them.
-        self.log_folder = group_folder(config.job.dump_folder, ft.replica_id) if ft.enable else config.job.dump_folder
+        self.log_folder = log_folder(config)
         self.gradient_accumulation_steps = self.plan.accumulation_steps
         # Before CUDA starts and before the process group exists: torch reads these variables once.
         for line in [*self.plan.describe(), *prepare_process_environment(config, self.device.type)]:
