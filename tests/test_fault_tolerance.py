@@ -8,6 +8,7 @@ the shard hashes of both groups after every rejoin, and the losses against a pla
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -280,6 +281,59 @@ def test_a_fresh_group_heals_into_exactly_the_live_state():
         assert received.digests() == sent.digests()
         for a, b in zip(live[0].parameters(), fresh[0].parameters(), strict=True):
             assert torch.equal(a.to_local(), b.to_local())
+
+
+# ------------------------------------------------------------------------------------------ the launcher
+
+LAUNCHER = REPO / "scripts" / "fault_tolerance.py"
+
+
+def run_launcher(*argv: str, timeout: int = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(LAUNCHER), *argv], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--groups", "0"], "--groups 0: expected at least 1"),
+    (["--kill", "1:x:between"], "--kill 1:x:between: expected GROUP:STEP:between|allreduce"),
+    (["--kill", "5:3:between"], "with GROUP < 2"),
+    (["--hold", "one"], "--hold one: expected GROUP:STEP"),
+    (["--restart", "3", "--", "--config", "llama3_debug.toml", "--training.stepz", "5"],
+     "unknown key 'stepz' in [training]. Did you mean 'steps'?"),
+    (["--dump-folder", "/tmp/a", "--", "--config", "llama3_debug.toml", "--job.dump_folder", "/tmp/b"],
+     "--dump-folder /tmp/a and -- --job.dump_folder /tmp/b differ; give one of them"),
+])
+def test_bad_launcher_arguments_are_one_line_and_exit_2_before_anything_starts(argv, says, tmp_path):
+    if "--" not in argv:
+        argv = [*argv, "--", "--config", "llama3_debug.toml", "--job.dump_folder", str(tmp_path)]
+    result = run_launcher(*argv)
+    assert result.returncode == 2, result.stderr
+    assert says in result.stderr and result.stderr.strip().count("\n") == 0, result.stderr
+    assert not (tmp_path / "launcher_events.json").exists()
+
+
+def test_the_launcher_writes_where_the_config_says(tmp_path):
+    spec = importlib.util.spec_from_file_location("ft_launcher", LAUNCHER)
+    launcher = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = launcher  # its dataclasses look their module up
+    spec.loader.exec_module(launcher)
+    args, train = launcher.parse_args(["--", "--config", "llama3_debug.toml", "--job.dump_folder", str(tmp_path)])
+    assert launcher.job_folder(args, train) == tmp_path
+    args, train = launcher.parse_args(["--", "--config", "llama3_8b.toml"])
+    assert launcher.job_folder(args, train) == Path("outputs/llama3_8b").resolve()  # the TOML's, as train.py's
+    args, train = launcher.parse_args(["--dump-folder", str(tmp_path / "x"), "--", "--config", "llama3_8b.toml"])
+    assert launcher.job_folder(args, train) == tmp_path / "x"
+
+
+@pytest.mark.slow
+def test_a_group_that_exits_with_a_config_error_is_not_restarted_and_says_why(tmp_path):
+    result = run_launcher("--restart", "3", "--", "--config", "llama3_debug.toml", "--job.dump_folder", str(tmp_path),
+                          "--model.tokenizer_path", str(tmp_path / "missing.json"), timeout=300)
+    assert result.returncode == 1
+    events = json.loads((tmp_path / "launcher_events.json").read_text())
+    assert [e["event"] for e in events].count("launch") == 2  # one per group, no relaunch
+    assert [e["event"] for e in events].count("not_restarted") == 2
+    assert "tokenizer file not found" in result.stdout, result.stdout[-2000:]
 
 
 # ------------------------------------------------------------------------------------------ real runs
