@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -334,6 +335,46 @@ def test_a_group_that_exits_with_a_config_error_is_not_restarted_and_says_why(tm
     assert [e["event"] for e in events].count("launch") == 2  # one per group, no relaunch
     assert [e["event"] for e in events].count("not_restarted") == 2
     assert "tokenizer file not found" in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_a_lighthouse_that_dies_mid_run_is_one_line_naming_it(tmp_path):
+    """Two groups of one process train against a lighthouse this test started; it is SIGKILLed after a few steps.
+    Each group stops at its next quorum (quorum_timeout_seconds 10) with one line naming the lighthouse, no
+    traceback of the rank, exit status 2 (not restarted by the launcher), and run_status.json says failed with that
+    line."""
+    port = free_port()
+    lighthouse = subprocess.Popen([str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1",
+                                   "--bind", f"[::]:{port}", "--heartbeat_timeout_ms", "2000"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ,
+                                                                                             "RUST_LOG": "warn"})
+    dump = tmp_path / "job"
+    launcher = subprocess.Popen(
+        [sys.executable, str(LAUNCHER), "--groups", "2", "--nproc", "1", "--restart", "2", "--lighthouse",
+         f"http://127.0.0.1:{port}", "--", *TINY, "--model.n_layers", "1", "--training.steps", "500",
+         "--job.dump_folder", str(dump), "--fault_tolerance.quorum_timeout_seconds", "10"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env={**os.environ,
+                                                                                    "OMP_NUM_THREADS": "1"})
+    try:
+        metrics = dump / "replica_0" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0][-3000:]
+            time.sleep(0.5)
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    console = launcher.communicate(timeout=240)[0]
+    assert launcher.returncode == 1, console[-3000:]
+    for group in (0, 1):
+        log = (dump / f"replica_{group}" / "launch_0.log").read_text()
+        errors = [line for line in log.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and f"the torchft lighthouse at http://127.0.0.1:{port} stopped answering" in errors[0]
+        assert "titan_simple/train" not in log  # no traceback through our code (torchrun adds its own summary)
+        status = json.loads((dump / f"replica_{group}" / "run_status.json").read_text())
+        assert status["state"] == "failed" and "stopped answering" in status["error"]
+    said = [line for line in console.splitlines() if line.startswith("[launcher] group")]
+    assert len(said) == 2 and all("stopped answering" in line for line in said) and "not_restarted" in console
 
 
 # ------------------------------------------------------------------------------------------ real runs
