@@ -428,6 +428,9 @@ def check_failures(dump: Path, events: list[dict], steps: int, kills: tuple[str,
     assert [m["step"] for m in survivor] == list(range(1, steps + 1))
     restarted = read_jsonl(dump / "replica_1" / "metrics.jsonl")
     assert restarted[-1]["step"] == steps
+    for log in (dump / "replica_1").glob("launch_*.log"):  # a heal is one warning line, nothing of torch's or HTTP's
+        text = log.read_text()
+        assert "not writable" not in text and "GET /checkpoint" not in text, log
     for rank in (0, 1):
         survivor_hashes, rejoined = hashes(dump, 0, rank), hashes(dump, 1, rank)
         after_rejoin = [s for s in rejoined if s > int(kills[0].split(":")[1])]

@@ -37,6 +37,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -347,6 +348,8 @@ class ReplicaGroups:
         ft = config.fault_tolerance
         for name in ("torchft", "torchft_quorums", "torchft_commits"):  # torchft logs every step at INFO
             logging.getLogger(name).setLevel(logging.WARNING)
+        # A heal sends its metadata with torch.frombuffer on bytes, which warns on every heal; it only reads them.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
         if device.type != "cuda":  # every new quorum warns that NCCL's flight recorder (absent here) was not reset
             logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
         self.group_size = ft.group_size
