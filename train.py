@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from titan_simple.errors import ConfigError, NonFiniteTraining, UserError
+from titan_simple.errors import NonFiniteTraining, UserError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:  # ConfigError, CheckpointError: one line, no traceback
         # A config error is the same on every rank: rank 0 says it once for the job. Others (a checkpoint one
         # rank cannot write) come from the rank that saw them.
-        if rank == 0 or not isinstance(error, ConfigError):
+        if rank == 0 or not error.same_on_every_rank:
             print(f"error: {error}", file=sys.stderr)
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # torchrun stops the whole job when the first rank exits: give rank 0 the moment to say it.

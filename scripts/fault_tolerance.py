@@ -3,8 +3,12 @@
     python scripts/fault_tolerance.py --groups 2 --nproc 2 -- --config llama3_debug.toml
 
 Everything after ``--`` goes to every group's ``train.py``; the launcher adds the ``[fault_tolerance]`` keys
-(enable, group_size, replica_id, lighthouse) and ``--job.dump_folder``. Each group logs to
+(enable, group_size, replica_id, lighthouse). The job's folder is the config's ``[job] dump_folder`` (or
+``-- --job.dump_folder X``, or ``--dump-folder X``: not both with different values). Each group logs to
 ``<dump>/replica_<g>/`` (its console output in ``launch_<attempt>.log``); checkpoints are shared in ``<dump>``.
+The config is checked before anything starts (one line and exit 2 on a mistake, as ``train.py`` does); a group
+that fails with one of ``train.py``'s one-line errors (a missing file, a corrupt checkpoint, ...) is not restarted
+(the relaunch would meet it again), and that line is repeated on the launcher's console.
 
 ``--restart K`` relaunches a group that died, up to K times; it rejoins by receiving the live weights from a
 peer. ``--kill G:STEP:WHEN`` rehearses a failure: group G's next launch stops at STEP (``between``: after it
@@ -34,6 +38,11 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 FAILURE_ENV = "TITAN_SIMPLE_FT_FAIL"  # read by titan_simple/train/fault_tolerance.py
+USAGE_ERROR = 2  # a bad argument or config, as train.py exits on one
+
+
+class UsageError(Exception):
+    """A bad launcher argument or config: one line, exit 2."""
 
 
 def free_port() -> int:
@@ -85,8 +94,8 @@ def lighthouse_binary() -> str:
     beside = Path(sys.executable).parent / "torchft_lighthouse"
     found = str(beside) if beside.exists() else shutil.which("torchft_lighthouse")
     if found is None:
-        sys.exit("error: torchft_lighthouse not found: install the ft extra (scripts/setup.sh does) or pass "
-                 "--lighthouse ADDRESS of a running one.")
+        raise UsageError("torchft_lighthouse not found: install the ft extra (scripts/setup.sh does) or pass "
+                         "--lighthouse ADDRESS of a running one.")
     return found
 
 
@@ -109,20 +118,21 @@ class Group:
 class Launcher:
     def __init__(self, args: argparse.Namespace, train_args: list[str]) -> None:
         self.args, self.train_args = args, train_args
-        self.dump = Path(args.dump_folder).resolve()
+        self.dump = job_folder(args, train_args)
         self.started = time.monotonic()
         self.events: list[dict] = []
         kills: dict[int, list[tuple[int, str]]] = {g: [] for g in range(args.groups)}
         for spec in args.kill:
-            group, step, when = spec.split(":")
-            if int(group) not in kills or when not in ("between", "allreduce"):
-                sys.exit(f"error: --kill {spec}: expected GROUP:STEP:between|allreduce with GROUP < {args.groups}")
+            group, step, when = (spec.split(":") + ["", "", ""])[:3]
+            if not group.isdigit() or int(group) not in kills or not step.isdigit() or when not in (
+                    "between", "allreduce") or spec.count(":") != 2:
+                raise UsageError(f"--kill {spec}: expected GROUP:STEP:between|allreduce with GROUP < {args.groups}")
             kills[int(group)].append((int(step), when))
         holds: dict[int, int] = {}
         for spec in args.hold:
             group, _, step = spec.partition(":")
             if not group.isdigit() or int(group) >= args.groups or not step.isdigit():
-                sys.exit(f"error: --hold {spec}: expected GROUP:STEP with GROUP < {args.groups}")
+                raise UsageError(f"--hold {spec}: expected GROUP:STEP with GROUP < {args.groups}")
             holds[int(group)] = int(step)
         self.groups = [Group(g, kills[g], holds.get(g), restarts_left=args.restart) for g in range(args.groups)]
         self.lighthouse_process: subprocess.Popen | None = None
@@ -144,7 +154,7 @@ class Launcher:
              "--heartbeat_timeout_ms", str(self.args.heartbeat_timeout_ms)],
             stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")})
         if not wait_for_port(port, 30):
-            sys.exit(f"error: the lighthouse did not start on port {port}; see {self.dump / 'lighthouse.log'}")
+            raise UsageError(f"the lighthouse did not start on port {port}; see {self.dump / 'lighthouse.log'}")
         self.event("lighthouse", port=port)
         return f"http://127.0.0.1:{port}"
 
@@ -165,13 +175,23 @@ class Launcher:
             env[FAILURE_ENV] = ",".join(directives)
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={self.args.nproc}",
                    "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(REPO / "train.py"),
-                   *self.train_args, "--job.dump_folder", str(self.dump), "--fault_tolerance.enable",
-                   "--fault_tolerance.group_size", str(self.args.groups), "--fault_tolerance.replica_id",
-                   str(group.index), "--fault_tolerance.lighthouse", lighthouse]
+                   *self.train_args, "--job.dump_folder", str(self.dump),
+                   *group_args(self.args.groups, group.index, lighthouse)]
         log = open(folder / f"launch_{group.attempt}.log", "w")  # noqa: SIM115 -- closed with the process
         group.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         self.event("launch", group=group.index, attempt=group.attempt,
                    failure=env.get(FAILURE_ENV, ""))
+
+    def say_error(self, group: Group) -> str | None:
+        """Repeat a failed launch's ``error:`` line (train.py's one-line errors) on the launcher's console and return
+        it; None if the launch died without one (killed, crashed)."""
+        log = self.dump / f"replica_{group.index}" / f"launch_{group.attempt}.log"
+        lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+        errors = [line.strip() for line in lines if line.startswith("error:")]
+        if errors:
+            print(f"[launcher] group {group.index}: {errors[-1]} (its log: {log})", flush=True)
+            return errors[-1]
+        return None
 
     def metrics_lines(self, group: Group) -> list[str]:
         path = self.dump / f"replica_{group.index}" / "metrics.jsonl"
@@ -225,8 +245,11 @@ class Launcher:
                     self.note_steps(group)  # the lines written just before it exited
                     group.process = None
                     self.event("exit", group=group.index, attempt=group.attempt, code=code)
+                    error = self.say_error(group) if code != 0 else None
                     group.attempt += 1
-                    if code != 0 and group.restarts_left > 0:
+                    if error is not None:  # train.py's one-line error (config, checkpoint): a relaunch meets it again
+                        self.event("not_restarted", group=group.index, why=error)
+                    elif code != 0 and group.restarts_left > 0:
                         group.restarts_left -= 1
                         self.launch(group, lighthouse)
                 time.sleep(0.05)
@@ -244,12 +267,41 @@ class Launcher:
         return 1 if failed else 0
 
 
+def group_args(groups: int, index: int, lighthouse: str) -> list[str]:
+    return ["--fault_tolerance.enable", "--fault_tolerance.group_size", str(groups), "--fault_tolerance.replica_id",
+            str(index), "--fault_tolerance.lighthouse", lighthouse]
+
+
+def job_folder(args: argparse.Namespace, train_args: list[str]) -> Path:
+    """The job's dump folder: ``-- --job.dump_folder``, else ``--dump-folder``, else the TOML's ``[job] dump_folder``
+    (the two on the command line must agree); the config is checked here first, as every group's train.py will."""
+    from titan_simple.config import load_job_config  # noqa: PLC0415 -- only the config, not the trainer
+    from titan_simple.errors import UserError  # noqa: PLC0415
+
+    try:
+        config = load_job_config([*train_args, *group_args(args.groups, 0, "http://127.0.0.1:1")])
+    except UserError as error:
+        raise UsageError(str(error)) from None
+    on_command_line = config.sources.get("job.dump_folder") == "command line"
+    if args.dump_folder and on_command_line and Path(args.dump_folder).resolve() != Path(
+            config.job.dump_folder).resolve():
+        raise UsageError(f"--dump-folder {args.dump_folder} and -- --job.dump_folder {config.job.dump_folder} differ; "
+                         "give one of them.")
+    return Path(args.dump_folder or config.job.dump_folder).resolve()
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit 2, not argparse's usage block
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(USAGE_ERROR)
+
+
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _Parser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, default=2, help="replica groups ([fault_tolerance] group_size)")
     parser.add_argument("--nproc", type=int, default=2, help="processes per group (torchrun --nproc_per_node)")
-    parser.add_argument("--dump-folder", default="outputs/fault_tolerance", help="the job's [job] dump_folder")
+    parser.add_argument("--dump-folder", default="",
+                        help="the job's [job] dump_folder (default: the config's, as train.py would use it)")
     parser.add_argument("--restart", type=int, default=0, help="relaunch a dead group up to this many times")
     parser.add_argument("--kill", action="append", default=[], metavar="G:STEP:WHEN",
                         help="rehearse a failure of group G at STEP (between | allreduce); repeatable")
@@ -264,12 +316,22 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="how long a quorum waits for heartbeating groups that have not asked to join yet")
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=5000,
                         help="silence after which the lighthouse counts a group as dead")
-    if "--" in argv:
-        split = argv.index("--")
-        return parser.parse_args(argv[:split]), argv[split + 1:]
-    return parser.parse_args(argv), []
+    split = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:split])  # argparse's own errors exit 2 with its usage line
+    for name, least in (("groups", 1), ("nproc", 1), ("restart", 0)):
+        if getattr(args, name) < least:
+            parser.error(f"--{name} {getattr(args, name)}: expected at least {least}")
+    return args, argv[split + 1:]
+
+
+def main(argv: list[str]) -> int:
+    arguments, train_arguments = parse_args(argv)
+    try:
+        return Launcher(arguments, train_arguments).run()
+    except UsageError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return USAGE_ERROR
 
 
 if __name__ == "__main__":
-    arguments, train_arguments = parse_args(sys.argv[1:])
-    sys.exit(Launcher(arguments, train_arguments).run())
+    sys.exit(main(sys.argv[1:]))

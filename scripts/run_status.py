@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/run_status.py [--since EPOCH_SECONDS] --config CONFIG.toml [--section.key value ...]
 
-Takes the same config and overrides as ``train.py`` (they name the dump folder), prints one line and exits:
+Takes the same config and overrides as ``train.py`` (they name the dump folder; with ``[fault_tolerance] enable``
+the replica group's folder in it, ``<dump_folder>/replica_<id>``), prints one line and exits:
 
     0   finished: every step done
     75  stopped on request (SIGINT / SIGTERM) after saving a checkpoint: run the same command again to resume
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from titan_simple.config import load_job_config  # noqa: E402
 from titan_simple.errors import UserError  # noqa: E402
+from titan_simple.train.fault_tolerance import log_folder  # noqa: E402
 from titan_simple.train.run_status import read_run_status, status_path  # noqa: E402
 
 FINISHED, RESUMABLE, NOT_RESUMABLE, CONFIG_ERROR = 0, 75, 1, 2
@@ -60,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return CONFIG_ERROR
-    code, line = verdict(read_run_status(config.job.dump_folder), args.since)
-    print(f"{status_path(config.job.dump_folder)}: {line}")
+    folder = log_folder(config)
+    code, line = verdict(read_run_status(folder), args.since)
+    print(f"{status_path(folder)}: {line}")
     return code
 
 

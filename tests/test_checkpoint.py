@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import shutil
 import signal
 from pathlib import Path
@@ -254,6 +255,9 @@ def test_hf_export_import_round_trip_gives_identical_weights_and_logits(tmp_path
     trainer.train()
     step = tmp_path / "checkpoint" / "step-2"
     assert is_hf_folder(step / "hf")  # written by last_save_in_hf
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (step / "hf" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # readable as config.json
     exported = export_hf(step, tmp_path / "hf_script")  # what scripts/export_hf.py does
     assert (exported / "model.safetensors").read_bytes() == (step / "hf" / "model.safetensors").read_bytes()
 

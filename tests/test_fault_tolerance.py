@@ -8,10 +8,12 @@ the shard hashes of both groups after every rejoin, and the losses against a pla
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -282,6 +284,99 @@ def test_a_fresh_group_heals_into_exactly_the_live_state():
             assert torch.equal(a.to_local(), b.to_local())
 
 
+# ------------------------------------------------------------------------------------------ the launcher
+
+LAUNCHER = REPO / "scripts" / "fault_tolerance.py"
+
+
+def run_launcher(*argv: str, timeout: int = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(LAUNCHER), *argv], capture_output=True, text=True, timeout=timeout,
+                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--groups", "0"], "--groups 0: expected at least 1"),
+    (["--kill", "1:x:between"], "--kill 1:x:between: expected GROUP:STEP:between|allreduce"),
+    (["--kill", "5:3:between"], "with GROUP < 2"),
+    (["--hold", "one"], "--hold one: expected GROUP:STEP"),
+    (["--restart", "3", "--", "--config", "llama3_debug.toml", "--training.stepz", "5"],
+     "unknown key 'stepz' in [training]. Did you mean 'steps'?"),
+    (["--dump-folder", "/tmp/a", "--", "--config", "llama3_debug.toml", "--job.dump_folder", "/tmp/b"],
+     "--dump-folder /tmp/a and -- --job.dump_folder /tmp/b differ; give one of them"),
+])
+def test_bad_launcher_arguments_are_one_line_and_exit_2_before_anything_starts(argv, says, tmp_path):
+    if "--" not in argv:
+        argv = [*argv, "--", "--config", "llama3_debug.toml", "--job.dump_folder", str(tmp_path)]
+    result = run_launcher(*argv)
+    assert result.returncode == 2, result.stderr
+    assert says in result.stderr and result.stderr.strip().count("\n") == 0, result.stderr
+    assert not (tmp_path / "launcher_events.json").exists()
+
+
+def test_the_launcher_writes_where_the_config_says(tmp_path):
+    spec = importlib.util.spec_from_file_location("ft_launcher", LAUNCHER)
+    launcher = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = launcher  # its dataclasses look their module up
+    spec.loader.exec_module(launcher)
+    args, train = launcher.parse_args(["--", "--config", "llama3_debug.toml", "--job.dump_folder", str(tmp_path)])
+    assert launcher.job_folder(args, train) == tmp_path
+    args, train = launcher.parse_args(["--", "--config", "llama3_8b.toml"])
+    assert launcher.job_folder(args, train) == Path("outputs/llama3_8b").resolve()  # the TOML's, as train.py's
+    args, train = launcher.parse_args(["--dump-folder", str(tmp_path / "x"), "--", "--config", "llama3_8b.toml"])
+    assert launcher.job_folder(args, train) == tmp_path / "x"
+
+
+@pytest.mark.slow
+def test_a_group_that_exits_with_a_config_error_is_not_restarted_and_says_why(tmp_path):
+    result = run_launcher("--restart", "3", "--", "--config", "llama3_debug.toml", "--job.dump_folder", str(tmp_path),
+                          "--model.tokenizer_path", str(tmp_path / "missing.json"), timeout=300)
+    assert result.returncode == 1
+    events = json.loads((tmp_path / "launcher_events.json").read_text())
+    assert [e["event"] for e in events].count("launch") == 2  # one per group, no relaunch
+    assert [e["event"] for e in events].count("not_restarted") == 2
+    assert "tokenizer file not found" in result.stdout, result.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_a_lighthouse_that_dies_mid_run_is_one_line_naming_it(tmp_path):
+    """Two groups of one process train against a lighthouse this test started; it is SIGKILLed after a few steps.
+    Each group stops at its next quorum (quorum_timeout_seconds 10) with one line naming the lighthouse, no
+    traceback of the rank, exit status 2 (not restarted by the launcher), and run_status.json says failed with that
+    line."""
+    port = free_port()
+    lighthouse = subprocess.Popen([str(Path(sys.executable).parent / "torchft_lighthouse"), "--min_replicas", "1",
+                                   "--bind", f"[::]:{port}", "--heartbeat_timeout_ms", "2000"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ,
+                                                                                             "RUST_LOG": "warn"})
+    dump = tmp_path / "job"
+    launcher = subprocess.Popen(
+        [sys.executable, str(LAUNCHER), "--groups", "2", "--nproc", "1", "--restart", "2", "--lighthouse",
+         f"http://127.0.0.1:{port}", "--", *TINY, "--model.n_layers", "1", "--training.steps", "500",
+         "--job.dump_folder", str(dump), "--fault_tolerance.quorum_timeout_seconds", "10"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env={**os.environ,
+                                                                                    "OMP_NUM_THREADS": "1"})
+    try:
+        metrics = dump / "replica_0" / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0][-3000:]
+            time.sleep(0.5)
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    console = launcher.communicate(timeout=240)[0]
+    assert launcher.returncode == 1, console[-3000:]
+    for group in (0, 1):
+        log = (dump / f"replica_{group}" / "launch_0.log").read_text()
+        errors = [line for line in log.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and f"the torchft lighthouse at http://127.0.0.1:{port} stopped answering" in errors[0]
+        assert "titan_simple/train" not in log  # no traceback through our code (torchrun adds its own summary)
+        status = json.loads((dump / f"replica_{group}" / "run_status.json").read_text())
+        assert status["state"] == "failed" and "stopped answering" in status["error"]
+    said = [line for line in console.splitlines() if line.startswith("[launcher] group")]
+    assert len(said) == 2 and all("stopped answering" in line for line in said) and "not_restarted" in console
+
+
 # ------------------------------------------------------------------------------------------ real runs
 
 
@@ -333,6 +428,9 @@ def check_failures(dump: Path, events: list[dict], steps: int, kills: tuple[str,
     assert [m["step"] for m in survivor] == list(range(1, steps + 1))
     restarted = read_jsonl(dump / "replica_1" / "metrics.jsonl")
     assert restarted[-1]["step"] == steps
+    for log in (dump / "replica_1").glob("launch_*.log"):  # a heal is one warning line, nothing of torch's or HTTP's
+        text = log.read_text()
+        assert "not writable" not in text and "GET /checkpoint" not in text, log
     for rank in (0, 1):
         survivor_hashes, rejoined = hashes(dump, 0, rank), hashes(dump, 1, rank)
         after_rejoin = [s for s in rejoined if s > int(kills[0].split(":")[1])]

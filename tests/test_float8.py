@@ -171,6 +171,13 @@ def test_op_policy_saves_float8_amaxes():
         assert {o for o, _ in decisions} == {op}, recipe
 
 
+def test_float8_settings_without_the_converter_are_named_in_the_plan():
+    plan = resolve_plan(RECIPE.config("--float8.recipe=rowwise", "--float8.all_gather=false"), 1, "cpu")
+    assert plan.float8 is None
+    assert "float8.all_gather, float8.recipe ignored: [model] converters has no float8" in "\n".join(plan.describe())
+    assert "ignored" not in "\n".join(resolve_plan(RECIPE.config(), 1, "cpu").describe())
+
+
 def test_the_plan_counts_the_debug_models_linears():
     plan = resolve_plan(RECIPE.config(*FLOAT8), 1, "cpu")
     assert plan.float8.targets.converted == tuple(

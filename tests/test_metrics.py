@@ -95,8 +95,10 @@ def test_throughput_tflops_and_mfu_arithmetic():
 
 
 def test_eta_from_average_step_time():
-    assert eta_seconds(steps_done=10, total_steps=100, elapsed_seconds=20.0) == 180.0
-    assert eta_seconds(steps_done=100, total_steps=100, elapsed_seconds=20.0) == 0.0
+    assert eta_seconds(steps_done=10, steps_left=90, elapsed_seconds=20.0) == 180.0
+    assert eta_seconds(steps_done=100, steps_left=0, elapsed_seconds=20.0) == 0.0
+    # Resumed at step 20 of 25, 5 steps done here in 10 s: nothing left (counting from the steps done here said 40 s).
+    assert eta_seconds(steps_done=5, steps_left=25 - 25, elapsed_seconds=10.0) == 0.0
 
 
 class FakeClock:
@@ -122,7 +124,7 @@ def test_step_timer_window_metrics_and_eta():
     assert window[END_TO_END_SECONDS] == pytest.approx(2.0)
     assert window[DATA_LOADING_SECONDS] == pytest.approx(0.5)
     assert window[DATA_LOADING_PERCENT] == pytest.approx(25.0)
-    assert timer.eta_seconds(total_steps=10) == pytest.approx(6 * 2.0)
+    assert timer.eta_seconds(steps_left=6) == pytest.approx(6 * 2.0)
     clock.now += 1.0
     timer.step_done(tokens=10)
     second = timer.window_metrics(flops_per_token=1e9, peak_flops=None)  # a fresh window

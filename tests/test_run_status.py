@@ -26,10 +26,14 @@ TINY = ["--config", "llama3_debug.toml", "--training.seq_len", "32", "--training
         "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1", "--metrics.enable_tensorboard=false"]
 
 
-def run_status_verdict(dump: Path, since: float | None = None) -> tuple[int, str]:
+GROUP_1 = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", "1"]
+
+
+def run_status_verdict(dump: Path, since: float | None = None, *extra: str) -> tuple[int, str]:
     since_args = [] if since is None else ["--since", str(since)]
     result = subprocess.run([sys.executable, str(RUN_STATUS), *since_args, "--config", "llama3_debug.toml",
-                             "--job.dump_folder", str(dump)], capture_output=True, text=True, timeout=60, cwd=REPO)
+                             "--job.dump_folder", str(dump), *extra], capture_output=True, text=True, timeout=60,
+                            cwd=REPO)
     return result.returncode, result.stdout + result.stderr
 
 
@@ -50,6 +54,20 @@ def test_run_status_script_says_what_to_do_with_the_job(tmp_path, state, fields,
     assert says in run_status_verdict(tmp_path)[1]
 
 
+@pytest.mark.parametrize("state, fields, code", [
+    ("finished", {"checkpoint": None}, 0),
+    ("stopped", {"signal": "SIGTERM", "checkpoint": "/x/checkpoint/step-4"}, RESUMABLE),
+    ("failed", {"error": "RuntimeError: boom"}, 1),
+])
+def test_run_status_script_reads_a_replica_groups_own_status(tmp_path, state, fields, code):
+    """With fault tolerance each group writes <dump>/replica_<id>/run_status.json; the script, given the group's
+    config, reads that one (another group's status says nothing about this group)."""
+    RunStatus(str(tmp_path / "replica_1"), rank=0, steps=4).write(state, 4, **fields)
+    RunStatus(str(tmp_path / "replica_0"), rank=0, steps=4).write("running", 2)
+    verdict_code, says = run_status_verdict(tmp_path, None, *GROUP_1)
+    assert verdict_code == code and f"{tmp_path}/replica_1/run_status.json" in says, says
+
+
 def test_a_status_older_than_the_launch_or_none_is_not_resumable(tmp_path):
     assert run_status_verdict(tmp_path) == (1, f"{tmp_path}/run_status.json: no run status: the run did not reach "
                                                "training\n")
@@ -67,6 +85,9 @@ FAKE_SRUN = """#!/bin/bash
 # Stands in for srun + torchrun: leaves the run status a real run would, exits as torchrun would.
 dump="$(echo "$@" | sed -E 's/.*--job.dump_folder ([^ ]+).*/\\1/')"
 echo "$@" > "$dump/srun_args"
+case "$*" in *--fault_tolerance.replica_id*)  # a replica group writes its status into its own folder
+    dump="$dump/replica_$(echo "$@" | sed -E 's/.*--fault_tolerance.replica_id ([0-9]+).*/\\1/')"; mkdir -p "$dump" ;;
+esac
 case "$FAKE_OUTCOME" in
     stopped) echo '{"state": "stopped", "step": 11, "steps": 50, "signal": "SIGTERM",
               "checkpoint": "'"$dump"'/checkpoint/step-11", "time": '"$(date +%s)"'}' > "$dump/run_status.json"
@@ -83,8 +104,9 @@ if [ "$1" = show ]; then echo node001; else echo "$@" >> "$SCONTROL_LOG"; fi
 """
 
 
-def run_slurm_script(tmp_path: Path, outcome: str) -> tuple[int, list[str], str]:
-    """``scripts/multinode.slurm`` as the batch step runs it, with srun and scontrol faked on PATH."""
+def run_slurm_script(tmp_path: Path, outcome: str, *extra: str) -> tuple[int, list[str], str]:
+    """``scripts/multinode.slurm`` as the batch step runs it, with srun and scontrol faked on PATH (``extra``: more
+    train.py options, e.g. a replica group's)."""
     bin_dir, dump = tmp_path / "bin", tmp_path / "dump"
     bin_dir.mkdir()
     dump.mkdir()
@@ -94,12 +116,14 @@ def run_slurm_script(tmp_path: Path, outcome: str) -> tuple[int, list[str], str]
     # What an earlier launch left: it stopped on request, a minute ago.
     earlier = {"state": "stopped", "step": 5, "steps": 50, "signal": "SIGTERM", "checkpoint": str(dump / "x"),
                "time": time.time() - 60}
-    (dump / "run_status.json").write_text(json.dumps(earlier))
+    status_folder = dump / "replica_1" if extra else dump
+    status_folder.mkdir(exist_ok=True)
+    (status_folder / "run_status.json").write_text(json.dumps(earlier))
     log = tmp_path / "scontrol.log"
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "4242", "SLURM_NNODES": "2",
            "SLURM_JOB_NODELIST": "node[001-002]", "FAKE_OUTCOME": outcome, "SCONTROL_LOG": str(log)}
-    result = subprocess.run(["bash", str(SLURM_SCRIPT), "configs/llama3_debug.toml", "--job.dump_folder", str(dump)],
-                            capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
+    result = subprocess.run(["bash", str(SLURM_SCRIPT), "configs/llama3_debug.toml", "--job.dump_folder", str(dump),
+                             *extra], capture_output=True, text=True, timeout=60, cwd=REPO, env=env)
     requeues = log.read_text().splitlines() if log.exists() else []
     assert "--shutdown_timeout 240" in (dump / "srun_args").read_text()
     return result.returncode, requeues, result.stderr
@@ -117,8 +141,10 @@ def test_slurm_script_is_valid_bash_and_asks_for_the_stop_signal():
     ("crashed", 1, False),  # killed while running: fail the job
     ("stale", 1, False),  # died before training; the "stopped" on disk is the earlier launch's
 ])
-def test_slurm_script_requeues_after_a_stop_on_request_only(tmp_path, outcome, status, requeued):
-    code, requeues, stderr = run_slurm_script(tmp_path, outcome)
+@pytest.mark.parametrize("group", [False, True], ids=["plain", "replica_group"])
+def test_slurm_script_requeues_after_a_stop_on_request_only(tmp_path, outcome, status, requeued, group):
+    """The same for one replica group of a fault-tolerant job (its status is in its own folder)."""
+    code, requeues, stderr = run_slurm_script(tmp_path, outcome, *(GROUP_1 if group else ()))
     assert code == status, stderr
     assert requeues == (["requeue 4242"] if requeued else []), stderr
 

@@ -113,10 +113,18 @@ def test_nonfinite_gradient_norm_stops_the_run_naming_the_step_and_checkpoint(tm
                               "--checkpoint.enable", "--checkpoint.interval", "2"])
     trainer = Trainer(config)
     stepped = _poison_step(trainer, bad_step=3)
-    with pytest.raises(NonFiniteTraining, match=r"^step 3: .*nan.* the last good checkpoint is .*step-2"):
+    with pytest.raises(NonFiniteTraining, match=r"^step 3: .*nan.* the last good checkpoint is .*step-2\. .*and "
+                                                r"resume from it, or set") as error:
         trainer.train()
+    assert "no checkpoint" not in str(error.value)
     assert stepped == [1, 2]  # the poisoned step never reached the optimizer
     assert not (tmp_path / "checkpoint" / "step-3").exists()
+    without = Trainer(load_job_config(["--config", "llama3_debug.toml", *TINY, "--job.dump_folder",
+                                       str(tmp_path / "none")]))
+    _poison_step(without, bad_step=2)
+    with pytest.raises(NonFiniteTraining, match=r"no checkpoint was saved\. .*and start again, or set") as error:
+        without.train()
+    assert "resume" not in str(error.value)
 
 
 def test_skip_nonfinite_steps_skips_only_that_step(tmp_path):

@@ -475,10 +475,19 @@ class DryRun:
         False, "Search float8 linears on and off (h100 / h200); default: as [model] converters says."
     )
     search_workers: int = option(2, "Processes pricing layouts in parallel.")
+    search_layouts: int = option(
+        0, "Price at most this many layouts, in the order of their speed ceilings (0 = 40 up to 64 GPUs, 100 above). "
+        "A count, not a time: the same search gives the same table on a quiet or a loaded machine; the table says "
+        "what the count left unpriced and how fast it could have been."
+    )
     search_seconds: float = option(
-        0.0, "Stop pricing layouts this many seconds after the search starts (the rest are listed in search.json "
-        "as not priced, with their speed ceilings); 0 = 50 s up to 64 GPUs, 270 s above. The bounds rarely prune "
-        "pipeline layouts, so a large world needs it."
+        0.0, "Also stop pricing this many seconds after the search starts (0 = no time limit). A time limit makes "
+        "the table depend on the machine's load: a busy machine prices fewer layouts (the table says so)."
+    )
+    memory_headroom: float = option(
+        -1.0, "The free memory a recommended layout must keep, as a fraction of its planned device memory "
+        "(reserved + runtime): -1 = 0.16, the dry run's largest under-prediction of a published run's reserved "
+        "memory (docs/dry_run.md). A layout that fits with less is never recommended; the table counts them."
     )
     gpus_per_node: int = option(8, "GPUs per node of the planned cluster: tensor parallel stays inside a node.")
     full_trace: bool = option(
@@ -776,6 +785,8 @@ def validate(config: JobConfig) -> None:
     _validate_checkpoint(config)
     _validate_validation_and_profiling(config)
     _validate_fault_tolerance(config)
+    _require(config.dry_run.world_size >= 1, config, "dry_run", "world_size",
+             "the number of devices to plan for (>= 1)")
 
 
 def _validate_fault_tolerance(config: JobConfig) -> None:

@@ -11,9 +11,19 @@ no traceback. Everything else is a bug and keeps its traceback.
 class UserError(Exception):
     """A problem the user can fix; the message names what is wrong, where, and how to fix it."""
 
+    same_on_every_rank = False  # True: rank 0 says it for the job (train.py)
+
 
 class ConfigError(UserError):
     """A problem in the user's input: a config key or value, a path, the parallel degrees."""
+
+    same_on_every_rank = True
+
+
+class LighthouseLost(UserError):
+    """Fault tolerance: the torchft lighthouse every replica group asks before each step stopped answering."""
+
+    same_on_every_rank = True
 
 
 class DataError(UserError):

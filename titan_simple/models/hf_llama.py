@@ -27,6 +27,7 @@ shard size), which ``transformers.LlamaForCausalLM.from_pretrained`` reads.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -300,17 +301,26 @@ def save_hf(
         total_bytes += size
     metadata = {"format": "pt"}
     if len(shards) == 1:
-        save_file(shards[0], str(folder / "model.safetensors"), metadata=metadata)
+        _save_shard(shards[0], folder / "model.safetensors", metadata)
     else:
         weight_map = {}
         for i, shard in enumerate(shards, start=1):
             file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(folder / file), metadata=metadata)
+            _save_shard(shard, folder / file, metadata)
             weight_map.update({name: file for name in shard})
         index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     (folder / "config.json").write_text(json.dumps(hf_config(args, dtype, special_tokens), indent=2) + "\n")
     return folder
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """``safetensors.save_file``, then the file's permissions any other file we write gets (it creates them 0600:
+    the folder's other readers, a serving job, could not read the weights)."""
+    save_file(tensors, str(path), metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def _hf_files(folder: Path) -> list[Path]:

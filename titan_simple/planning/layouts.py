@@ -89,11 +89,14 @@ def checked_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
 
 
 def global_rows(config: JobConfig, world_size: int) -> int:
-    """Rows (sequences) per optimizer step of the config as written, at ``world_size``."""
+    """Rows (sequences) per optimizer step of the config as written, at ``world_size``; with fixed degrees, the rows
+    it steps with on its own world (the search keeps the batch, not the layout)."""
     parallelism, training = config.parallelism, config.training
     if training.global_batch_size > 0:
         return training.global_batch_size
     shard = parallelism.data_parallel_shard_degree
+    if shard > 0:
+        return training.local_batch_size * parallelism.data_parallel_replicate_degree * shard
     others = parallelism.data_parallel_replicate_degree * parallelism.tensor_parallel_degree
     others *= parallelism.pipeline_parallel_degree
     dp = parallelism.data_parallel_replicate_degree * (shard if shard > 0 else world_size // others)

@@ -9,10 +9,13 @@
 3. One block per class of (replication, tensor parallel, microbatch, activation checkpointing, float8,
    gathering), traced at 1 and 2 blocks, gives each layout its ``bounds.speed_ceiling``.
 4. Best first: layouts are priced in order of their ceiling by the standalone dry run itself (``search_worker``,
-   a fresh process per layout), until ``search_top`` layouts that fit are faster than every ceiling left or
-   the ``search_seconds`` budget runs out. A heavier activation checkpointing of a layout whose lighter one fits
-   is skipped (it only adds recomputation).
-5. The table (``search_table``) and ``search.json``: every candidate with its fate.
+   a fresh process per layout), until ``search_top`` recommended layouts are faster than every ceiling left or
+   ``search_layouts`` are priced (a count: results are taken in the order they were asked for, so the table does
+   not depend on the machine's load; ``search_seconds`` adds an optional time limit). A heavier activation
+   checkpointing of a layout whose lighter one is recommended is skipped (it only adds recomputation).
+5. Recommended: a layout that fits with ``memory_headroom`` to spare (the dry run's own error against published
+   runs); one that fits with less is counted, never ranked.
+6. The table (``search_table``) and ``search.json``: every candidate with its fate.
 """
 
 from __future__ import annotations
@@ -29,7 +32,13 @@ from typing import Any
 from titan_simple.config import JobConfig
 from titan_simple.errors import ConfigError
 from titan_simple.planning import search_worker
-from titan_simple.planning.bounds import ModelSizes, data_parallel_floor, memory_floor, speed_ceiling
+from titan_simple.planning.bounds import (
+    ADAM_BYTES_PER_PARAMETER,
+    ModelSizes,
+    data_parallel_floor,
+    memory_floor,
+    speed_ceiling,
+)
 from titan_simple.planning.hardware import GIB, planned_device
 from titan_simple.planning.layouts import (
     Layout,
@@ -37,6 +46,7 @@ from titan_simple.planning.layouts import (
     checked_plan,
     dominated,
     enumerate_layouts,
+    global_rows,
     matches,
     model_of,
 )
@@ -81,10 +91,19 @@ def _class_overrides(layout: Layout, world_size: int) -> tuple[tuple[str, str], 
             *((k, values[k]) for k in keep if k in values))
 
 
-def search_budget(seconds: float, world_size: int) -> float:
-    """``[dry_run] search_seconds``; 0: 50 s up to 64 GPUs, 270 s above (the whole search stays under a minute,
-    and under five minutes at 256 or 512 GPUs, on a 2-core CPU)."""
-    return seconds if seconds > 0 else 50.0 if world_size <= 64 else 270.0
+# The default of [dry_run] memory_headroom: the dry run's largest under-prediction of a published run's reserved
+# memory among the like-for-like cases (-16%, TorchTitan 8B lbs 2 compiled: 65.1 vs 77-82 GiB; docs/dry_run.md).
+MEASURED_MEMORY_ERROR = 0.16
+
+
+def layout_budget(layouts: int, world_size: int) -> int:
+    """``[dry_run] search_layouts``; 0: 40 up to 64 GPUs, 100 above (on a quiet 2-core CPU about a minute, and
+    about four minutes at 256 or 512 GPUs)."""
+    return layouts if layouts > 0 else 40 if world_size <= 64 else 100
+
+
+def memory_headroom(setting: float) -> float:
+    return MEASURED_MEMORY_ERROR if setting < 0 else setting
 
 
 def _sibling_key(layout: Layout) -> tuple:
@@ -92,9 +111,14 @@ def _sibling_key(layout: Layout) -> tuple:
                  if k not in ("activation_checkpoint.mode", "activation_checkpoint.selective_ac_option"))
 
 
-def _row(layout: Layout | None, report: dict[str, Any]) -> dict[str, Any]:
+def _row(layout: Layout | None, report: dict[str, Any], headroom: float, spec) -> dict[str, Any]:
+    """A priced layout's line of search.json. ``headroom``: the free fraction of its planned device memory a
+    recommended layout keeps."""
     t = report["time_seconds"]
+    spare = spec.memory_bytes / report["memory_bytes"]["device_total"] - 1
     return {
+        "headroom": spare, "recommended": bool(report["fits"]) and spare >= headroom,
+        "async_tensor_parallel": bool(report.get("async_tensor_parallel")),
         "overrides": [] if layout is None else layout.argv(),
         "layout": "the config as written" if layout is None else layout.command(),
         "mesh": report["mesh"], "fits": report["fits"],
@@ -130,14 +154,16 @@ def run_search(config: JobConfig) -> dict[str, Any]:
     dry = config.dry_run
     world = dry.world_size
     device_type = "cpu" if dry.device == "cpu" else "cuda"
-    if dry.search_top < 1 or dry.search_workers < 1 or dry.gpus_per_node < 1 or dry.search_seconds < 0:
-        raise ConfigError("[dry_run] search_top, search_workers and gpus_per_node must be positive, search_seconds "
-                          "positive or 0 (auto).")
+    if (dry.search_top < 1 or dry.search_workers < 1 or dry.gpus_per_node < 1 or dry.search_seconds < 0
+            or dry.search_layouts < 0):
+        raise ConfigError("[dry_run] search_top, search_workers and gpus_per_node must be positive, search_layouts "
+                          "positive or 0 (auto), search_seconds positive or 0 (no time limit).")
     spec = dataclasses.replace(planned_device(dry), gpus_per_node=dry.gpus_per_node)
     base = dataclasses.replace(config, dry_run=dataclasses.replace(dry, search=False))
     pins = parse_pins(base)
     args = model_of(base)
     sizes = ModelSizes.of(args)
+    check_world_can_hold(base, sizes, args, spec)
     float8 = dry.search_float8 and spec.float8_peak_flops is not None
     layouts = enumerate_layouts(base, args, world, dry.gpus_per_node, float8, dry.search_batch)
     fates: dict[Layout, str] = {}
@@ -157,15 +183,15 @@ def run_search(config: JobConfig) -> dict[str, Any]:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["titan_simple.planning.search_worker"])
     setup = dict(initializer=search_worker.start_worker, initargs=(base, world, device_type, spec))
-    # Pricing runs each layout in a fresh process (forked from the preloaded server), as a standalone dry run
-    # does: in a reused one, DTensor's caches warmed by earlier layouts changed one 8B layout's async-TP pricing
-    # by 2% (7,181 vs 7,304 tokens/s/GPU). The bounds' block classes reuse their processes.
-    with context.Pool(dry.search_workers, **setup) as pool, context.Pool(dry.search_workers, maxtasksperchild=1,
-                                                                          **setup) as fresh:
+    # Every layout and every block class runs in a fresh process (forked from the preloaded server), as a standalone
+    # dry run does: in a reused one, DTensor's caches warmed by earlier work changed one 8B layout's async-TP pricing
+    # by 2% (7,181 vs 7,304 tokens/s/GPU), and which worker got which class depended on timing, so the ceilings, and
+    # with them the order of pricing, depended on the machine's load.
+    with context.Pool(dry.search_workers, maxtasksperchild=1, **setup) as fresh:
         published_async = fresh.apply_async(search_worker.price, ((),))
         classes = sorted({_class_overrides(layout, world) for layout in candidates})
         phases = {"enumerate": time.perf_counter() - start}
-        per_block = dict(zip(classes, pool.map(search_worker.per_block, classes), strict=True))
+        per_block = dict(zip(classes, fresh.map(search_worker.per_block, classes, chunksize=1), strict=True))
         phases["classes"] = time.perf_counter() - start - phases["enumerate"]
         phases["class_count"] = len(classes)
         bounded = []
@@ -193,61 +219,90 @@ def run_search(config: JobConfig) -> dict[str, Any]:
                                           world, spec, dp_floor, boundary), layout))
         bounded.sort(key=lambda item: (-item[0], AC_ORDER[item[1].values["activation_checkpoint.mode"]]))
         published = published_async.get()
-        deadline = start + search_budget(dry.search_seconds, world)
+        deadline = start + dry.search_seconds if dry.search_seconds > 0 else None
+        headroom = memory_headroom(dry.memory_headroom)
         rows, _ = _best_first(fresh, bounded, fates, floors, dry.search_top, dry.search_workers,
-                              Progress(len(bounded)), deadline)
-    published_row = {"error": published["error"]} if "error" in published else _row(None, published)
+                              Progress(len(bounded)), layout_budget(dry.search_layouts, world), deadline,
+                              headroom, spec)
+    published_row = {"error": published["error"]} if "error" in published else _row(None, published, headroom,
+                                                                                       spec)
     phases["pricing"] = time.perf_counter() - start - phases["enumerate"] - phases["classes"]
     return _finish(config, base, rows, published_row, fates, layouts, time.perf_counter() - start, spec, phases,
                    floors)
 
 
-def _best_first(pool, bounded, fates, floors, top: int, workers: int, progress: Progress, deadline: float):
-    """Price layouts in order of their speed ceiling (``workers + 1`` at a time) until ``top`` fitting rows beat
-    every ceiling left, or the ``deadline`` (``time.perf_counter``) passes."""
+def check_world_can_hold(base: JobConfig, sizes: ModelSizes, args, spec) -> None:
+    """One line, before anything is priced, for a world too small to hold the model's weights, gradients and AdamW
+    state at all (however it is sharded), with the GPUs to plan for instead."""
+    world = base.dry_run.world_size
+    state = (sizes.embedding + args.n_layers * sizes.block + sizes.head) * ADAM_BYTES_PER_PARAMETER
+    usable = spec.memory_bytes - spec.runtime_bytes
+    least = -(-int(state * (1 + spec.allocator_overhead)) // int(usable))
+    if world >= least:
+        return
+    nodes = base.dry_run.gpus_per_node
+    plan_for = -(-least // nodes) * nodes if least > nodes else least
+    raise ConfigError(
+        f"[dry_run] search: llama3 {base.model.flavor} cannot fit {world} x {spec.name}: its weights, gradients and "
+        f"AdamW state alone are {state / GIB:,.0f} GiB, {least} GPUs' worth before any activation; plan for at least "
+        f"{plan_for} GPUs (--dry_run.world_size {plan_for}).")
+
+
+def _best_first(pool, bounded, fates, floors, top: int, workers: int, progress: Progress, budget: int,
+                deadline: float | None, headroom: float, spec):
+    """Price layouts in order of their speed ceiling (``workers + 1`` in flight) until ``top`` recommended rows beat
+    every ceiling left, ``budget`` layouts are priced, or the ``deadline`` (``time.perf_counter``; None: none)
+    passes. Results are taken in the order they were asked for, so every decision, and the table, is the same
+    whatever the machine's load."""
     rows: list[dict[str, Any]] = []
-    fitted: set[tuple] = set()  # layouts (without AC) whose lighter checkpointing fits
-    pending: dict[Any, tuple[float, Layout]] = {}
-    index = 0
+    fitted: set[tuple] = set()  # layouts (without AC) whose lighter checkpointing is recommended
+    pending: list[tuple[Any, float, Layout]] = []  # in the order they were asked for
+    asked = index = 0
 
     def bar() -> float:
-        fitting = sorted((r["tokens_per_second_per_gpu"] for r in rows if r["fits"]), reverse=True)
+        fitting = sorted((r["tokens_per_second_per_gpu"] for r in rows if r["recommended"]), reverse=True)
         return fitting[top - 1] if len(fitting) >= top else 0.0
+
+    def leave(rest, why) -> None:
+        for ceiling, layout in rest:
+            fates[layout] = why(ceiling)
 
     while True:
         while len(pending) <= workers and index < len(bounded):
             ceiling, layout = bounded[index]
-            if time.perf_counter() > deadline:
-                for c, rest in bounded[index:]:
-                    fates[rest] = f"not priced: the search_seconds budget ran out (ceiling {c:,.0f} tokens/s/GPU)"
+            if deadline is not None and time.perf_counter() > deadline:
+                leave(bounded[index:], lambda c: f"not priced: the search_seconds limit ran out (ceiling {c:,.0f} "
+                                                  "tokens/s/GPU)")
+                index = len(bounded)
+                break
+            if asked >= budget:
+                leave(bounded[index:], lambda c: f"not priced: beyond the search_layouts count (ceiling {c:,.0f} "
+                                                  "tokens/s/GPU)")
                 index = len(bounded)
                 break
             if ceiling < bar():  # sorted: every ceiling left is lower
-                for c, rest in bounded[index:]:
-                    fates[rest] = f"cannot win: ceiling {c:,.0f} < the {top}th row's {bar():,.0f} tokens/s/GPU"
+                leave(bounded[index:], lambda c: f"cannot win: ceiling {c:,.0f} < the {top}th row's {bar():,.0f} "
+                                                  "tokens/s/GPU")
                 index = len(bounded)
                 break
             index += 1
             if _sibling_key(layout) in fitted:
                 fates[layout] = "skipped: a lighter activation checkpointing of this layout fits (only more recompute)"
                 continue
-            pending[pool.apply_async(search_worker.price, (layout.overrides,))] = (ceiling, layout)
+            asked += 1
+            pending.append((pool.apply_async(search_worker.price, (layout.overrides,)), ceiling, layout))
         if not pending:
             break
-        done = next((result for result in pending if result.ready()), None)
-        if done is None:
-            time.sleep(0.01)
-            continue
-        ceiling, layout = pending.pop(done)
+        done, ceiling, layout = pending.pop(0)
         report = done.get()
         if "error" in report:
             fates[layout] = f"refused by the trainer: {report['error']}"
             continue
-        row = _row(layout, report)
+        row = _row(layout, report, headroom, spec)
         row["ceiling"], row["floor_gib"] = ceiling, floors[layout] / GIB
         rows.append(row)
         fates[layout] = "priced"
-        if row["fits"]:
+        if row["recommended"]:
             fitted.add(_sibling_key(layout))
         progress.show(len(rows), max((r["tokens_per_second_per_gpu"] for r in rows if r["fits"]), default=0.0))
         if os.environ.get("TITAN_SIMPLE_SEARCH_TRACE"):  # debugging the bounds: every priced row as it comes
@@ -278,10 +333,24 @@ def _no_fit(base, rows, floors, spec) -> ConfigError:
 
 def _finish(config, base, rows, published_row, fates, layouts, seconds, spec, phases, floors) -> dict[str, Any]:
     dry = config.dry_run
-    fitting = sorted((r for r in rows if r["fits"]), key=lambda r: -r["tokens_per_second_per_gpu"])
-    if not fitting and any(fate.startswith("not priced") for fate in fates.values()):
-        raise ConfigError(f"[dry_run] search: the search_seconds budget ran out after {len(rows)} priced layouts, none "
-                          "of which fits; raise --dry_run.search_seconds or pin knobs with --dry_run.search_fix.")
+    headroom = memory_headroom(dry.memory_headroom)
+    fitting = sorted((r for r in rows if r["recommended"]), key=lambda r: -r["tokens_per_second_per_gpu"])
+    tight = sorted((r for r in rows if r["fits"] and not r["recommended"]),
+                   key=lambda r: -r["tokens_per_second_per_gpu"])
+    unpriced = [f for f in fates.values() if f.startswith("not priced")]
+    if not fitting and unpriced:
+        raise ConfigError(f"[dry_run] search: llama3 {base.model.flavor} on {dry.world_size} x {spec.name}: "
+                          f"{len(rows)} layouts priced, none recommended ({len(tight)} fit with less than "
+                          f"{headroom:.0%} memory headroom); price more with --dry_run.search_layouts or pin knobs "
+                          "with --dry_run.search_fix.")
+    if not fitting and tight:
+        best = tight[0]
+        raise ConfigError(
+            f"[dry_run] search: no layout of llama3 {base.model.flavor} fits {dry.world_size} x {spec.name} with the "
+            f"{headroom:.0%} memory headroom the dry run's own error asks for; the fastest that fits at all "
+            f"({best['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, {best['headroom']:.0%} free: "
+            f"{' '.join(best['overrides'])}) may not fit a real {spec.name}. Plan for more GPUs or set "
+            "--dry_run.memory_headroom lower at your own risk.")
     if not fitting:
         raise _no_fit(base, rows, floors, spec)
     for row in fitting[1:dry.search_top]:
@@ -292,11 +361,17 @@ def _finish(config, base, rows, published_row, fates, layouts, seconds, spec, ph
         if faster:
             published_row["why_not_first"] = why_loses(published_row, fitting[0])
     counts = Counter(fates.get(layout, "not reached").split(":")[0] for layout in layouts)
+    ceilings = [float(f.split("ceiling ")[1].split(" ")[0].replace(",", "")) for f in unpriced]
     result = {
         "model": base.model.flavor, "world_size": dry.world_size, "device": spec.name,
         "gpus_per_node": dry.gpus_per_node, "seconds": seconds, "phase_seconds": phases,
         "layouts": len(layouts), "fates": dict(counts), "table": fitting[:dry.search_top],
-        "published": published_row, "priced": rows,
+        "published": published_row, "priced": rows, "memory_headroom": headroom,
+        "config_global_batch": str(global_rows(base, dry.world_size)),
+        "tight": {"count": len(tight), "fastest": tight[0]["tokens_per_second_per_gpu"] if tight else None},
+        "unpriced": {"count": len(unpriced), "highest_ceiling": max(ceilings, default=None),
+                     "budget": layout_budget(dry.search_layouts, dry.world_size),
+                     "time_limited": any("search_seconds" in f for f in unpriced)},
         "candidates": [{"layout": layout.command(), "fate": fates.get(layout, "not reached")} for layout in layouts],
     }
     print(format_search(result), flush=True)

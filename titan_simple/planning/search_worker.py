@@ -25,10 +25,14 @@ _WORLD: dict[str, Any] = {}
 
 
 def start_worker(base: JobConfig, world_size: int, device_type: str, spec: DeviceSpec) -> None:
-    """Pool initializer: this process becomes rank 0 of a fake world of ``world_size``."""
+    """Pool initializer: this process becomes rank 0 of a fake world of ``world_size``. It never raises: a pool
+    replaces a worker whose initializer fails, forever; the failure is every task's answer instead."""
     warnings.filterwarnings("ignore")  # torch's warnings of the meta build, once per layout: the table is the output
-    init_fake_process_group(0, world_size)
     _WORLD.update(base=base, world_size=world_size, device_type=device_type, spec=spec, meshes={})
+    try:
+        init_fake_process_group(0, world_size)
+    except Exception as error:  # noqa: BLE001 -- reported by every task of this worker
+        _WORLD["error"] = f"the search's worker could not start a fake world of {world_size}: {error}"
 
 
 def _mesh(run):
@@ -41,6 +45,8 @@ def _mesh(run):
 
 def price(overrides: tuple[tuple[str, str], ...]) -> dict[str, Any]:
     """The dry-run report of the base config with ``overrides`` (``{"error": ...}`` if the trainer refuses it)."""
+    if "error" in _WORLD:
+        return {"error": _WORLD["error"]}
     start = time.perf_counter()
     config = apply_overrides(_WORLD["base"], overrides)
     run = checked_plan(config, _WORLD["world_size"], _WORLD["device_type"])
@@ -56,6 +62,8 @@ def per_block(overrides: tuple[tuple[str, str], ...]) -> dict[str, float] | dict
     """What one transformer block costs under ``overrides`` (no pipeline): the seconds of its ops and of its
     exposed tensor-parallel collectives per microbatch, and those of the model's ends (embedding, head, loss), and
     the activation bytes it keeps for backward, from traces of 1 and 2 blocks. The search's bounds use them."""
+    if "error" in _WORLD:
+        return {"error": _WORLD["error"]}
     config = apply_overrides(_WORLD["base"], overrides)
     run = checked_plan(config, _WORLD["world_size"], _WORLD["device_type"])
     if isinstance(run, str):

@@ -68,7 +68,8 @@ def complete_steps(folder: str | Path, warn: bool = False) -> list[int]:
         if match and (entry / MARKER).is_file():
             steps.append(int(match.group(1)))
         elif warn and entry.is_dir() and (match or entry.name.endswith(PARTIAL_SUFFIX)):
-            logger.warning("checkpoint: ignoring %s, a save that did not finish (no %s)", entry, MARKER)
+            logger.warning("checkpoint: ignoring %s: not complete (no %s): a save still in progress, or one that did "
+                           "not finish", entry, MARKER)
     return sorted(steps)
 
 

@@ -37,6 +37,7 @@ import os
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -47,7 +48,7 @@ from urllib.parse import urlsplit
 import torch
 from torch.distributed.tensor import DTensor
 
-from titan_simple.errors import ConfigError
+from titan_simple.errors import ConfigError, LighthouseLost
 from titan_simple.train.metrics import LIVE_GROUPS
 
 logger = logging.getLogger("titan_simple")
@@ -73,6 +74,13 @@ class Progress:
 def group_folder(dump_folder: str, replica_id: int) -> str:
     """Where a group writes its metrics, TensorBoard and status (checkpoints stay shared in dump_folder)."""
     return os.path.join(dump_folder, f"replica_{replica_id}")
+
+
+def log_folder(config: Any) -> str:
+    """Where a run writes its metrics, TensorBoard and run status: ``[job] dump_folder``, or its replica group's
+    folder in it with fault tolerance."""
+    ft = config.fault_tolerance
+    return group_folder(config.job.dump_folder, ft.replica_id) if ft.enable else config.job.dump_folder
 
 
 def lighthouse_address(config: Any) -> str:
@@ -340,9 +348,12 @@ class ReplicaGroups:
         ft = config.fault_tolerance
         for name in ("torchft", "torchft_quorums", "torchft_commits"):  # torchft logs every step at INFO
             logging.getLogger(name).setLevel(logging.WARNING)
+        # A heal sends its metadata with torch.frombuffer on bytes, which warns on every heal; it only reads them.
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
         if device.type != "cuda":  # every new quorum warns that NCCL's flight recorder (absent here) was not reset
             logging.getLogger("torchft.manager").addFilter(lambda record: "flight recorder" not in record.getMessage())
         self.group_size = ft.group_size
+        self.lighthouse = lighthouse
         self.gradients = GradientBuckets(int(ft.bucket_cap_mb * 2**20), in_bf16=ft.allreduce_in_bf16)
         self.state = state
         self.healed: Progress | None = None
@@ -392,17 +403,23 @@ class ReplicaGroups:
         self.healed = None
         self.committed_steps = step
         started = time.perf_counter()
-        self.manager.start_quorum()
+        self._quorum()
         # A job's first quorum waits for every group: the lighthouse only waits for groups it already hears, so the
         # first group up would otherwise take a step alone (the others then heal from it). Not after a heal: a
         # restarted group joins whoever is live.
         wait_for_all = (self.first_quorum and self.healed is None) or self.failure.due("hold", step)
         self.first_quorum = False
         if wait_for_all:
+            said = 0.0
             while (self.healed is None and self.manager.num_participants() < self.group_size
                    and time.perf_counter() - started < self.quorum_timeout_seconds):
+                if time.perf_counter() - said > 30:  # now, then every 30 s
+                    said = time.perf_counter()
+                    logger.warning("fault tolerance: %d of %d replica groups have joined; waiting for the others "
+                                   "(up to quorum_timeout_seconds = %.0f s)", self.manager.num_participants(),
+                                   self.group_size, self.quorum_timeout_seconds)
                 time.sleep(0.2)
-                self.manager.start_quorum()
+                self._quorum()
         live = self.manager.num_participants()
         self.quorum_seconds = time.perf_counter() - started
         if live != self.live_groups:
@@ -411,6 +428,23 @@ class ReplicaGroups:
                            self.group_size, at + 1, self.quorum_seconds)
         self.live_groups = live
         return self.healed
+
+    def _quorum(self) -> None:
+        """torchft's quorum; a lighthouse that no longer answers is one line (``LighthouseLost``) instead of torchft's
+        timeout and its traceback."""
+        try:
+            self.manager.start_quorum()
+        except Exception as error:
+            try:
+                check_reachable(self.lighthouse)
+            except ConfigError:
+                reason = str(error).split(",")[0].split("\n")[0]
+                raise LighthouseLost(
+                    f"fault tolerance: the torchft lighthouse at {self.lighthouse} stopped answering ({reason}); every "
+                    "replica group asks it before each step. Start it again (torchft_lighthouse --min_replicas 1 "
+                    "--bind [::]:PORT) and relaunch the groups: they resume from the newest complete checkpoint."
+                ) from None
+            raise
 
     def average(self, params: list[torch.nn.Parameter], loss_sum: torch.Tensor) -> torch.Tensor:
         """Average this rank's gradient shards and its loss across the live groups, in place, in slices of the

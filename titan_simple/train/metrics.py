@@ -121,11 +121,13 @@ def compute_throughput(
     return Throughput(tokens_per_second, flops_per_second / 1e12, mfu)
 
 
-def eta_seconds(steps_done: int, total_steps: int, elapsed_seconds: float) -> float:
-    """Seconds left at the average step time so far (which includes the slow first, compiling steps)."""
+def eta_seconds(steps_done: int, steps_left: int, elapsed_seconds: float) -> float:
+    """Seconds for ``steps_left`` more steps at this process's average step time so far (``steps_done`` steps in
+    ``elapsed_seconds``, the slow first, compiling steps included). After a resume or a heal the steps left are the
+    run's target minus the step it is at, not minus the steps this process has done."""
     if steps_done <= 0:
         return math.inf
-    return max(total_steps - steps_done, 0) * elapsed_seconds / steps_done
+    return max(steps_left, 0) * elapsed_seconds / steps_done
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,7 @@ class StepTimer:
 
     Per step: ``with timer.data_loading(): batch = next(data_iter)``, train, ``timer.step_done(tokens)``;
     at a log step: ``timer.window_metrics(flops_per_token, peak_flops)`` (which starts a new window) and
-    ``timer.eta_seconds(total_steps)``.
+    ``timer.eta_seconds(steps_left)``.
 
     On CUDA the times are host times: they are right over a window as long as the loop synchronises at
     least once per step (reading the loss does).
@@ -195,8 +197,8 @@ class StepTimer:
         finally:
             self._window_start += self._clock() - start
 
-    def eta_seconds(self, total_steps: int) -> float:
-        return eta_seconds(self._steps_total, total_steps, self._clock() - self._run_start)
+    def eta_seconds(self, steps_left: int) -> float:
+        return eta_seconds(self._steps_total, steps_left, self._clock() - self._run_start)
 
 
 def window_metrics(window: Window, flops_per_token: float, peak_flops: float | None) -> dict[str, float]:

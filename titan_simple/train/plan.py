@@ -131,6 +131,9 @@ class RunPlan:
         autocast = (f"autocast {_name(precision.autocast_dtype)}" if precision.autocast_dtype is not None
                     else "no autocast")
         float8 = "" if self.float8 is None else f" | {self.float8.describe()}"
+        ignored = sorted(key for key in config.sources if key.startswith("float8."))
+        if self.float8 is None and ignored:  # [float8] keys do nothing without the converter: say so, once
+            float8 = f" | {', '.join(ignored)} ignored: [model] converters has no float8"
         lines.append(f"  precision: {_name(precision.param_dtype)} compute{why('dtype')}, "
                      f"{_name(precision.reduce_dtype)} reduce, {autocast}{float8}")
         shuffle = (f"shuffled (seed {self.data.shuffle_seed})" if self.data.shuffle_seed is not None

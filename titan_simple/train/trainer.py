@@ -31,7 +31,7 @@ from titan_simple.train.fault_tolerance import (
     ReplicaGroups,
     ReplicaState,
     check_fault_tolerance,
-    group_folder,
+    log_folder,
 )
 from titan_simple.train.metrics import (
     MemoryMonitor,
@@ -69,7 +69,7 @@ class Trainer:
         self.lighthouse = check_fault_tolerance(config, self.dims) if ft.enable else None
         # Each group logs into its own folder (its ranks are numbered like every other group's); checkpoints stay
         # shared in dump_folder: any group restores them.
-        self.log_folder = group_folder(config.job.dump_folder, ft.replica_id) if ft.enable else config.job.dump_folder
+        self.log_folder = log_folder(config)
         self.gradient_accumulation_steps = self.plan.accumulation_steps
         # Before CUDA starts and before the process group exists: torch reads these variables once.
         for line in [*self.plan.describe(), *prepare_process_environment(config, self.device.type)]:
@@ -178,10 +178,11 @@ class Trainer:
                            self.step, grad_norm)
             return
         last_good = self.checkpoint.latest_complete()
-        where = f"the last good checkpoint is {last_good}" if last_good else "no checkpoint was saved"
+        restart = (f"the last good checkpoint is {last_good}. Lower [optimizer] lr or raise warmup and resume from "
+                   "it" if last_good else "no checkpoint was saved. Lower [optimizer] lr or raise warmup and start "
+                   "again")
         raise NonFiniteTraining(
-            f"step {self.step}: the loss or gradient norm is {grad_norm} (not finite); {where}. Lower "
-            "[optimizer] lr or raise warmup, resume from that checkpoint, or set [training] "
+            f"step {self.step}: the loss or gradient norm is {grad_norm} (not finite); {restart}, or set [training] "
             "skip_nonfinite_steps = true to skip such steps."
         )
 
@@ -287,7 +288,7 @@ class Trainer:
                         **(self.replicas.metrics() if self.replicas is not None else {}),
                     }
                     self.metrics.log(self.step, metrics, total_steps=steps,
-                                     eta_seconds=timer.eta_seconds(steps))
+                                     eta_seconds=timer.eta_seconds(steps - self.step))
                     self.memory.reset_peak()
                 self.profiler.step(self.step)  # before validation: traces show training steps only
                 if self.validator is not None and self.validator.due(self.step, steps):
