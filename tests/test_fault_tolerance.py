@@ -33,17 +33,13 @@ from titan_simple.train.fault_tolerance import (
     FAILURE_ENV,
     REPLICA_NCCL_ERROR_HANDLING,
     FailureInjection,
-    GradientBuckets,
-    Progress,
-    ReplicaState,
     check_fault_tolerance,
     check_reachable,
-    recovery_timeout,
     replica_nccl_group_class,
-    state_bytes,
 )
 from titan_simple.train.metrics import LIVE_GROUPS, _format_console_line
 from titan_simple.train.plan import resolve_plan
+from titan_simple.train.replica_state import GradientBuckets, Progress, ReplicaState, recovery_timeout, state_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN_ENV = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}

@@ -26,13 +26,7 @@ from titan_simple.train.distributed import (
     read_launch_environment,
     set_timeouts,
 )
-from titan_simple.train.fault_tolerance import (
-    Progress,
-    ReplicaGroups,
-    ReplicaState,
-    check_fault_tolerance,
-    log_folder,
-)
+from titan_simple.train.fault_tolerance import ReplicaGroups, check_fault_tolerance, log_folder
 from titan_simple.train.metrics import (
     MemoryMonitor,
     MetricsLogger,
@@ -43,6 +37,7 @@ from titan_simple.train.metrics import (
 from titan_simple.train.optim import lr_scheduler_from_config, optimizer_from_config
 from titan_simple.train.plan import resolve_plan
 from titan_simple.train.profiling import Profiler
+from titan_simple.train.replica_state import Progress, ReplicaState
 from titan_simple.train.run_status import RunStatus
 from titan_simple.train.step import StepResult, build_train_step
 from titan_simple.train.validation import Validator
