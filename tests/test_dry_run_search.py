@@ -100,7 +100,7 @@ def test_the_table_is_ranked_recommended_and_says_why_each_runner_up_loses(searc
     for rank, row in enumerate(table, 1):
         line = next(line for line in text.splitlines() if line.strip().startswith(f"{rank} "))
         assert ("async TP*" in line) == row["async_tensor_parallel"], line
-        assert f"{100 * row['headroom']:.0f}%" in line
+        assert f"{100 * row['headroom']:+.0f}%" in line
     if search["unpriced"]["count"]:
         assert "left unpriced by the count of 24 (--dry_run.search_layouts)" in text
     published = search["published"]

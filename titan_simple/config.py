@@ -476,7 +476,7 @@ class DryRun:
     )
     search_workers: int = option(2, "Processes pricing layouts in parallel.")
     search_layouts: int = option(
-        0, "Price at most this many layouts, in the order of their speed ceilings (0 = 40 up to 64 GPUs, 100 above). "
+        0, "Price at most this many layouts, in the order of their speed ceilings (0 = 24 up to 64 GPUs, 100 above). "
         "A count, not a time: the same search gives the same table on a quiet or a loaded machine; the table says "
         "what the count left unpriced and how fast it could have been."
     )

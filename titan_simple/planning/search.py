@@ -97,9 +97,9 @@ MEASURED_MEMORY_ERROR = 0.16
 
 
 def layout_budget(layouts: int, world_size: int) -> int:
-    """``[dry_run] search_layouts``; 0: 40 up to 64 GPUs, 100 above (on a quiet 2-core CPU about a minute, and
+    """``[dry_run] search_layouts``; 0: 24 up to 64 GPUs, 100 above (on a quiet 2-core CPU about a minute, and
     about four minutes at 256 or 512 GPUs)."""
-    return layouts if layouts > 0 else 40 if world_size <= 64 else 100
+    return layouts if layouts > 0 else 24 if world_size <= 64 else 100
 
 
 def memory_headroom(setting: float) -> float:
@@ -183,15 +183,19 @@ def run_search(config: JobConfig) -> dict[str, Any]:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["titan_simple.planning.search_worker"])
     setup = dict(initializer=search_worker.start_worker, initargs=(base, world, device_type, spec))
-    # Every layout and every block class runs in a fresh process (forked from the preloaded server), as a standalone
-    # dry run does: in a reused one, DTensor's caches warmed by earlier work changed one 8B layout's async-TP pricing
-    # by 2% (7,181 vs 7,304 tokens/s/GPU), and which worker got which class depended on timing, so the ceilings, and
-    # with them the order of pricing, depended on the machine's load.
+    # Every layout runs in a fresh process (forked from the preloaded server), as a standalone dry run does: in a
+    # reused one, DTensor's caches warmed by earlier work changed one 8B layout's async-TP pricing by 2% (7,181 vs
+    # 7,304 tokens/s/GPU). The block classes share processes, but in a fixed order: when a pool handed them out as
+    # workers came free, a class's ceiling, and with it the order of pricing, depended on the machine's load.
     with context.Pool(dry.search_workers, maxtasksperchild=1, **setup) as fresh:
         published_async = fresh.apply_async(search_worker.price, ((),))
         classes = sorted({_class_overrides(layout, world) for layout in candidates})
         phases = {"enumerate": time.perf_counter() - start}
-        per_block = dict(zip(classes, fresh.map(search_worker.per_block, classes, chunksize=1), strict=True))
+        # Each worker measures a fixed share of the classes in a fixed order, in one fresh process: what a class
+        # measures never depends on which worker got it, or when.
+        shares = [classes[i::dry.search_workers] for i in range(dry.search_workers)]
+        measured = fresh.map(search_worker.per_block_share, shares, chunksize=1)
+        per_block = {c: m for share, ms in zip(shares, measured, strict=True) for c, m in zip(share, ms, strict=True)}
         phases["classes"] = time.perf_counter() - start - phases["enumerate"]
         phases["class_count"] = len(classes)
         bounded = []

@@ -65,8 +65,9 @@ def format_search(result: dict[str, Any]) -> str:
     lines = [
         f"layout search: llama3 {result['model']} on {result['world_size']} x {result['device']} "
         f"({result['gpus_per_node']} per node): {result['layouts']:,} layouts, {len(result['priced'])} priced by the "
-        f"dry run in {result['seconds']:.0f} s; recommended: fits with at least {headroom:.0%} memory free",
-        f"  {'#':>3} {'tokens/s/GPU':>12} {'MFU':>6} {'reserved':>10} {'free':>5} {'exposed comm':>12} {'bubble':>8}  "
+        f"dry run in {result['seconds']:.0f} s; recommended: its planned memory could grow {headroom:.0%} and fit "
+        "(the dry run's error)",
+        f"  {'#':>3} {'tokens/s/GPU':>12} {'MFU':>6} {'reserved':>10} {'room':>5} {'exposed comm':>12} {'bubble':>8}  "
         "layout (why not #1)",
     ]
     for rank, row in enumerate(table, 1):
@@ -75,7 +76,7 @@ def format_search(result: dict[str, Any]) -> str:
             published.get("tokens_per_second_per_gpu"), published.get("reserved_gib"))
         mark = "  <- the config as written" if same else ""
         lines.append(f"  {rank:>3} {row['tokens_per_second_per_gpu']:>12,.0f} {100 * row['mfu']:>5.1f}% "
-                     f"{row['reserved_gib']:>6.1f} GiB {100 * row['headroom']:>4.0f}% "
+                     f"{row['reserved_gib']:>6.1f} GiB {100 * row['headroom']:>+4.0f}% "
                      f"{row['exposed_comm_seconds']:>10.2f} s {row['bubble_seconds']:>6.2f} s  "
                      f"{describe(row, _batch(row, config_batch))}{why}{mark}")
     if any(row.get("async_tensor_parallel") for row in table):
@@ -85,7 +86,7 @@ def format_search(result: dict[str, Any]) -> str:
         lines.append(f"  the config as written: not valid on this world ({published['error']})")
     else:
         fits = ("recommended" if published["recommended"] else
-                f"fits with {published['headroom']:.0%} free, under the headroom" if published["fits"] else
+                f"fits, but its memory could grow only {published['headroom']:.0%}" if published["fits"] else
                 "does not fit")
         why = f"; {published['why_not_first']}" if published.get("why_not_first") else ""
         lines.append(f"  the config as written ({describe(published)}): rank {published['rank']}, "
@@ -93,7 +94,7 @@ def format_search(result: dict[str, Any]) -> str:
                      f"GiB reserved, {fits}{why}")
     tight = result["tight"]
     if tight["count"]:
-        lines.append(f"  not recommended: {tight['count']} priced layouts fit with less than {headroom:.0%} free "
+        lines.append(f"  not recommended: {tight['count']} priced layouts fit with less room than {headroom:.0%} "
                      f"(the fastest {tight['fastest']:,.0f} tokens/s/GPU; search.json lists them)")
     unpriced = result["unpriced"]
     if unpriced["count"]:

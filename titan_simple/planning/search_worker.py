@@ -58,6 +58,11 @@ def price(overrides: tuple[tuple[str, str], ...]) -> dict[str, Any]:
     return report
 
 
+def per_block_share(classes: list[tuple[tuple[str, str], ...]]) -> list[dict[str, float] | dict[str, str]]:
+    """``per_block`` of each class, in order, in this one process."""
+    return [per_block(overrides) for overrides in classes]
+
+
 def per_block(overrides: tuple[tuple[str, str], ...]) -> dict[str, float] | dict[str, str]:
     """What one transformer block costs under ``overrides`` (no pipeline): the seconds of its ops and of its
     exposed tensor-parallel collectives per microbatch, and those of the model's ends (embedding, head, loss), and
