@@ -44,7 +44,7 @@ def train(folder: Path, args: list[str]) -> tuple[float, subprocess.CompletedPro
 
 
 def run_case(name: str) -> str:
-    title, args, limit = CASES[name]
+    title, args, _ = CASES[name]
     with tempfile.TemporaryDirectory() as tmp:
         seconds, proc = train(Path(tmp) / "search", [*args, "--dry_run.search"])
         if proc.returncode:
@@ -59,12 +59,11 @@ def run_case(name: str) -> str:
             checks.append("equal" if same else f"DIFFERENT ({report['tokens_per_second_per_gpu']:.1f})")
     table = proc.stdout[proc.stdout.index("layout search:"):].split("\n  written:")[0]
     table = re.sub(r"(the fastest, to paste: )(.*)", lambda m: m.group(1) + m.group(2)[:2000], table)
-    verdict = "within" if seconds <= limit else "OVER"
     phases = json.dumps({k: round(v, 1) for k, v in result["phase_seconds"].items()})
     return "\n".join([
         f"### {title}", "",
         f"`python train.py {' '.join(args)} --dry_run --dry_run.search`: **{seconds:.0f} s** wall on this 2-core CPU "
-        f"({verdict} the {limit} s target; phases {phases}).",
+        f"(the budget is a count of layouts, so the time follows the machine's load; phases {phases}).",
         f"Top 3 rows and the config's layout as standalone dry runs: {', '.join(checks)}.", "",
         "```", table, "```", ""])
 

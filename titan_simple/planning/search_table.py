@@ -89,7 +89,9 @@ def format_search(result: dict[str, Any]) -> str:
                 f"fits, but its memory could grow only {published['headroom']:.0%}" if published["fits"] else
                 "does not fit")
         why = f"; {published['why_not_first']}" if published.get("why_not_first") else ""
-        lines.append(f"  the config as written ({describe(published)}): rank {published['rank']}, "
+        place = (f"rank {published['rank']}" if published["recommended"] else
+                 f"would rank {published['rank']} among the recommended")
+        lines.append(f"  the config as written ({describe(published)}): {place}, "
                      f"{published['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, {published['reserved_gib']:.1f} "
                      f"GiB reserved, {fits}{why}")
     tight = result["tight"]
