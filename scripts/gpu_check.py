@@ -52,7 +52,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
@@ -65,9 +65,9 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from titan_simple.config import JobConfig, load_job_config  # noqa: E402
 from titan_simple.parallel.compile import comm_plan_recorders, transformer_block_plan  # noqa: E402
-from titan_simple.parallel.dims import dp_rank_and_size, tensor_parallel_mesh  # noqa: E402
+from titan_simple.parallel.dims import tensor_parallel_mesh  # noqa: E402
 from titan_simple.parallel.torch_private import probe_symmetric_memory  # noqa: E402
-from titan_simple.train.build import ModelParts, build_model_parts  # noqa: E402
+from titan_simple.train.assemble import Run, build_run  # noqa: E402
 from titan_simple.train.checkpoint import CheckpointManager, TrainProgress  # noqa: E402
 from titan_simple.train.distributed import (  # noqa: E402
     DistInfo,
@@ -90,10 +90,9 @@ from titan_simple.train.metrics import (  # noqa: E402
     StepTimer,
     peak_flops_per_second,
 )
-from titan_simple.train.optim import lr_scheduler_from_config, optimizer_from_config  # noqa: E402
-from titan_simple.train.plan import RunPlan, resolve_plan  # noqa: E402
+from titan_simple.train.optim import lr_scheduler_from_config  # noqa: E402
+from titan_simple.train.plan import resolve_plan  # noqa: E402
 from titan_simple.train.profiling import Profiler  # noqa: E402
-from titan_simple.train.step import TrainStep, build_train_step  # noqa: E402
 
 logger = logging.getLogger("gpu_check")
 
@@ -295,26 +294,18 @@ def injected_failures(value: str | None) -> dict[str, str]:
 
 
 @dataclass
-class Layout:
-    """One layout built as the trainer builds it (``train/plan.py`` -> ``train/build.py`` -> optimizer -> step)."""
+class Layout(Run):
+    """One layout built as the trainer builds it (``train/assemble.build_run``), and the steps it has trained."""
 
-    config: JobConfig
-    plan: RunPlan
-    mesh: DeviceMesh | None
-    parts: ModelParts
-    optimizer: torch.optim.Optimizer
-    step: TrainStep
-    dp_rank: int
-    dp_size: int
     steps_done: int = 0
 
 
 class Checks:
     """What the rows of one rank share: the launch environment, the folder, the layouts built so far.
 
-    The layouts are a small copy of ``tests/parity.py``'s ``build_layout`` rather than an import of it: that one
-    is CPU and fp32 only by design (its device and recipe are constants), and a script users run should not
-    depend on the test package, which is not part of what ``pip install`` ships."""
+    The layouts are built like ``tests/parity.py``'s ``build_layout`` (both call ``build_run``) rather than by it:
+    that one is CPU and fp32 only by design (its device and recipe are constants), and a script users run should
+    not depend on the test package, which is not part of what ``pip install`` ships."""
 
     def __init__(self, info: DistInfo, folder: Path) -> None:
         self.info = info
@@ -353,12 +344,8 @@ class Checks:
         key = tuple(plan.dims.enabled_dims.items())
         if key not in self._meshes:
             self._meshes[key] = plan.dims.build_mesh(self.device.type)
-        mesh = self._meshes[key]
-        parts = build_model_parts(plan, mesh, self.device)
-        optimizer = optimizer_from_config(config, parts.as_module())
-        dp_rank, dp_size = dp_rank_and_size(mesh, plan.dims)
-        layout = Layout(config, plan, mesh, parts, optimizer, build_train_step(parts, plan, optimizer), dp_rank,
-                        dp_size)
+        run = build_run(plan, self.device, mesh=self._meshes[key], lr_schedule=False)
+        layout = Layout(**{f.name: getattr(run, f.name) for f in fields(Run)})
         self.layouts[name] = layout
         return layout
 
@@ -466,7 +453,7 @@ def bucket_summary(layout: Layout) -> str:
     the embedding, the norm + output); more all-gathers than buckets means bucketing did not merge them."""
     if not layout.plan.dims.dp_enabled:
         return "one process: no FSDP collectives to bucket"
-    recorders = comm_plan_recorders([*layout.parts.modules, getattr(layout.step, "model_with_loss", None)])
+    recorders = comm_plan_recorders(layout.step.compiled_modules())
     for recorder in recorders:
         recorder.restore()  # graphs loaded from torch's compile cache keep their plan there
     gathers = sum(r.counts("forward").get("all_gather", 0) for r in recorders)

@@ -4,7 +4,7 @@
                                                 # between the markers in docs/simple_fsdp_memory.md
     python scripts/measure_memory.py --no-doc   # print the tables only
 
-The model and its step are the trainer's own (``train.build.build_model_parts``, ``train.step``; the probes below
+The model and its step are the trainer's own (``train.assemble.build_run``; the probes below
 watch the step through its ``StepHooks``), ``debugmodel_large`` (8 blocks, dim 512) by default, fully_shard
 on 2 processes, fp32. Each case runs one warm-up step (it creates the optimizer state and, compiled, compiles)
 and measures the second: ``zero_grad`` -> forward -> loss -> backward -> clip -> ``optimizer.step()``.
@@ -55,12 +55,10 @@ from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from titan_simple.config import load_job_config  # noqa: E402
 from titan_simple.models.llama3 import build_model  # noqa: E402
-from titan_simple.parallel.dims import dp_rank_and_size  # noqa: E402
 from titan_simple.planning.measuring import LiveStorageBytes  # noqa: E402
-from titan_simple.train.build import build_model_parts  # noqa: E402
-from titan_simple.train.optim import optimizer_from_config  # noqa: E402
+from titan_simple.train.assemble import build_run  # noqa: E402
 from titan_simple.train.plan import resolve_plan  # noqa: E402
-from titan_simple.train.step import StepHooks, build_train_step  # noqa: E402
+from titan_simple.train.step import StepHooks  # noqa: E402
 
 DOC = PROJECT_DIR / "docs" / "simple_fsdp_memory.md"
 BEGIN, END = "<!-- measure_memory.py: begin -->", "<!-- measure_memory.py: end -->"
@@ -222,16 +220,12 @@ def measure_case(rank: int, world_size: int, args, overrides: tuple[str, ...], d
     config = _config(args, overrides, dump_folder)
     plan = resolve_plan(config, world_size, DEVICE.type)  # the trainer's plan, build and step
     compiled = plan.compile.enabled
-    dims = plan.dims
-    mesh = dims.build_mesh(DEVICE.type)
     if compiled:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
-    parts = build_model_parts(plan, mesh, DEVICE)
+    run = build_run(plan, DEVICE, lr_schedule=False)
+    parts, optimizer, train_step, dp_rank, dp_size = run.parts, run.optimizer, run.step, run.dp_rank, run.dp_size
     model = parts.model
-    optimizer = optimizer_from_config(config, model)
-    train_step = build_train_step(parts, plan, optimizer)
-    dp_rank, dp_size = dp_rank_and_size(mesh, dims)
     training = config.training
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.args.vocab_size, (training.local_batch_size * dp_size, training.seq_len + 1),

@@ -5,8 +5,8 @@
     result = train_steps(run, recipe)                   # {"losses": [...], "norms": [...], ...}
     assert_parity(results, "fully_shard/eager", reference, rtol=5e-7, norm_rtol=2e-4)
 
-``build_layout`` is ``train.plan.resolve_plan``, ``train.build.build_model_parts``, the optimizer and
-``train.step.build_train_step``: exactly what ``Trainer`` builds (autocast and loss included), so a parity
+``build_layout`` is ``train.plan.resolve_plan`` and ``train.assemble.build_run``: exactly what ``Trainer``
+builds (autocast, loss and the step's features included), so a parity
 test checks the code that trains, not a copy of it. Each step feeds one fixed global batch of random tokens (a
 different one per step, from ``Recipe.batch_seed``), of which each data-parallel rank takes its rows along the
 batch dim; tensor- and pipeline-parallel ranks of one dp group take the same rows. The reported loss is the
@@ -24,11 +24,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from titan_simple.config import JobConfig, load_job_config
-from titan_simple.parallel.dims import ParallelDims, dp_rank_and_size
-from titan_simple.train.build import ModelParts, build_model_parts
-from titan_simple.train.optim import optimizer_from_config
-from titan_simple.train.plan import RunPlan, resolve_plan
-from titan_simple.train.step import StepHooks, TrainStep, build_train_step
+from titan_simple.train.assemble import Run, build_run
+from titan_simple.train.plan import resolve_plan
+from titan_simple.train.step import StepHooks
 
 DEVICE = torch.device("cpu")
 
@@ -72,26 +70,11 @@ class Recipe:
         ])
 
 
-@dataclass
-class Layout:
-    """One built layout on this rank: what ``Trainer`` would build for ``config``."""
-
-    config: JobConfig
-    plan: RunPlan
-    dims: ParallelDims
-    mesh: DeviceMesh | None
-    parts: ModelParts
-    optimizer: torch.optim.Optimizer
-    step: TrainStep
-    dp_rank: int
-    dp_size: int
-
-
 _MESHES: dict[tuple, DeviceMesh | None] = {}
 
 
-def build_layout(config: JobConfig, world_size: int = 1) -> Layout:
-    """Mesh, model parts, AdamW and the training step, built by the trainer's functions (no LR schedule)."""
+def build_layout(config: JobConfig, world_size: int = 1) -> Run:
+    """The trainer's assembly (``train/assemble.build_run``) of ``config``, with no LR schedule."""
     plan = resolve_plan(config, world_size, DEVICE.type)
     dims = plan.dims
     # One world mesh per layout and process, as in the trainer: DTensor may hand a parameter an equal mesh
@@ -100,14 +83,10 @@ def build_layout(config: JobConfig, world_size: int = 1) -> Layout:
     if key not in _MESHES:
         _MESHES[key] = dims.build_mesh(DEVICE.type)
     mesh = _MESHES[key]
-    parts = build_model_parts(plan, mesh, DEVICE)
-    optimizer = optimizer_from_config(config, parts.as_module())
-    step = build_train_step(parts, plan, optimizer)
-    dp_rank, dp_size = dp_rank_and_size(mesh, dims)
-    return Layout(config, plan, dims, mesh, parts, optimizer, step, dp_rank, dp_size)
+    return build_run(plan, DEVICE, mesh=mesh, lr_schedule=False)
 
 
-def dp_group(layout: Layout) -> dist.ProcessGroup | None:
+def dp_group(layout: Run) -> dist.ProcessGroup | None:
     """The process group of this rank's data-parallel peers (the flattened ``dp`` dim for HSDP)."""
     names = [n for n in ("dp_replicate", "dp_shard") if n in layout.dims.enabled_dims]
     if not names:
@@ -121,7 +100,7 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
-def full_grads(layout: Layout) -> dict[str, torch.Tensor]:
+def full_grads(layout: Run) -> dict[str, torch.Tensor]:
     """Every parameter's gradient, unsharded; under pipeline parallel gathered from all stages (every rank)."""
     grads = {name: full_tensor(p.grad) for part in layout.parts.modules for name, p in part.named_parameters()}
     if layout.parts.pipeline is None:
@@ -143,7 +122,7 @@ class _AfterFirstBackward(StepHooks):
             self.fn()
 
 
-def train_steps(layout: Layout, recipe: Recipe, steps: int | None = None, keep_grads: bool = False,
+def train_steps(layout: Run, recipe: Recipe, steps: int | None = None, keep_grads: bool = False,
                 after_first_backward: Callable[[dict], None] | None = None) -> dict:
     """Run ``steps`` (default ``recipe.steps``) training steps; return the global losses and gradient norms of
     each, and with ``keep_grads`` the unsharded gradients of the first step (before clipping, rank 0 only).

@@ -494,5 +494,5 @@ def test_fault_tolerance_off_builds_no_replica_groups(tmp_path):
 
     config = load_job_config([*TINY, "--training.steps", "1", "--job.dump_folder", str(tmp_path)])
     trainer = Trainer(config)
-    assert trainer.replicas is None and trainer.step_fn.replicas is None
+    assert trainer.replicas is None and trainer.step_fn.features == ()
     assert trainer.log_folder == str(tmp_path)

@@ -141,6 +141,35 @@ def test_package_modules_stay_under_500_lines():
     assert long == {}
 
 
+# The assembly (plan -> mesh -> parts -> optimizer -> step) is written once, in train/assemble.py; everything
+# that builds a run (the trainer, the dry run, the search workers, the parity tests, the scripts) calls build_run.
+ASSEMBLY_STEPS = ("build_model_parts", "build_train_step", "optimizer_from_config")
+ASSEMBLY_FILE = REPO / "titan_simple" / "train" / "assemble.py"
+# Feature modules the step must not import: a feature reaches the step as a StepFeature the assembly installs.
+FEATURE_MODULES = ("titan_simple.train.fault_tolerance", "titan_simple.parallel.float8_gather",
+                   "titan_simple.models.float8")
+
+
+def test_the_assembly_is_written_once_and_everything_calls_it():
+    files = [*_sources(), *(REPO / "tests").glob("*.py")]
+    callers = collections.defaultdict(set)
+    for path in files:
+        tree = _sources().get(path) or ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and _called_name(node) in (*ASSEMBLY_STEPS, "build_run"):
+                callers[_called_name(node)].add(str(path.relative_to(REPO)))
+    assert {name: callers[name] for name in ASSEMBLY_STEPS} == {
+        name: {str(ASSEMBLY_FILE.relative_to(REPO))} for name in ASSEMBLY_STEPS}
+    assert {"titan_simple/train/trainer.py", "titan_simple/planning/rank_trace.py", "titan_simple/planning/measure.py",
+            "tests/parity.py", "scripts/gpu_check.py", "scripts/measure_memory.py"} <= callers["build_run"]
+
+
+def test_the_step_imports_no_feature_module():
+    step = REPO / "titan_simple" / "train" / "step.py"
+    imported = {node.module for node in ast.walk(ast.parse(step.read_text())) if isinstance(node, ast.ImportFrom)}
+    assert imported.isdisjoint(FEATURE_MODULES)
+
+
 # ---------------------------------------------------------------------------------------------- behaviour
 
 
@@ -237,10 +266,10 @@ def test_steps_built_by_the_parity_helper_and_the_dry_run_use_the_trainers_autoc
     assert torch.isfinite(result.loss_sum)
 
     built = []
-    real = rank_trace.build_train_step
-    monkeypatch.setattr(rank_trace, "build_train_step", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    real = rank_trace.build_run
+    monkeypatch.setattr(rank_trace, "build_run", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
     rank_trace.trace_rank(resolve_plan(config, 1, "cpu"), None)
-    (step,) = built
+    (step,) = [run.step for run in built]
     assert step.plan.precision.autocast_dtype == torch.bfloat16
     traced_context = step.autocast()
     assert isinstance(traced_context, torch.autocast) and traced_context.fast_dtype == torch.bfloat16

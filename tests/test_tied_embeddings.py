@@ -50,7 +50,7 @@ TWO_RANK_CONFIGS = {
 FOUR_RANK_CONFIGS = {"dp2_tp2/eager": _layout(2, 2)}
 
 
-def _tied_everywhere(layout: parity.Layout) -> bool:
+def _tied_everywhere(layout: parity.Run) -> bool:
     model = layout.parts.model
     return model.output._parameters["weight"] is model.tok_embeddings._parameters["weight"]
 

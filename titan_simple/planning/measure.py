@@ -24,10 +24,9 @@ from titan_simple.config import load_job_config
 from titan_simple.parallel.torch_private import use_one_gloo_worker_thread
 from titan_simple.planning import measuring
 from titan_simple.planning.trace import StepTracer, ignoring_shape_propagation
-from titan_simple.train.build import build_model_parts
-from titan_simple.train.optim import optimizer_from_config
+from titan_simple.train.assemble import build_run
 from titan_simple.train.plan import resolve_plan
-from titan_simple.train.step import StepHooks, build_train_step
+from titan_simple.train.step import StepHooks
 
 
 def measure_rates(world_size: int) -> dict[str, float]:
@@ -71,12 +70,9 @@ def _measure(rank: int, world_size: int, argv: list[str], steps: int) -> dict[st
     device = torch.device("cpu")
     plan = resolve_plan(config, world_size, device.type)  # the trainer's plan, build and step
     rates = measure_rates(world_size)
-    mesh = plan.dims.build_mesh(device.type)
-    parts = build_model_parts(plan, mesh, device)
-    optimizer = optimizer_from_config(config, parts.as_module())
     # Gradients stay allocated between steps (the steady state the dry run assumes).
-    train_step = build_train_step(parts, plan, optimizer)
-    train_step.keep_grad_buffers = True
+    run = build_run(plan, device, lr_schedule=False, keep_grad_buffers=True)
+    parts, optimizer, train_step = run.parts, run.optimizer, run.step
     generator = torch.Generator().manual_seed(rank)
     tokens = torch.randint(0, parts.model_args.vocab_size, (training.local_batch_size, training.seq_len + 1),
                            generator=generator)

@@ -3,7 +3,7 @@
 ``trace_rank`` is the measuring half of the dry run (``dry_run.py``); ``report.py`` turns what it measures into
 memory, collectives and step time. It runs inside the fake process group that ``run_dry_run`` sets up.
 
-**What runs.** The model goes through the trainer's build (``train.build.build_model_parts``, left on the meta
+**What runs.** The model goes through the trainer's assembly (``train.assemble.build_run``, left on the meta
 device): the pipeline split (``plan_pipeline`` / ``split_stage``) and, per stage, tensor parallel -> activation
 checkpointing -> SimpleFSDP (``parallelize_llama``). Then one microbatch's forward, the trainer's loss and
 backward per local stage (``train.step``), and the optimizer step, run on meta tensors under
@@ -43,10 +43,9 @@ from titan_simple.parallel.regions import (
 )
 from titan_simple.parallel.tensor_parallel import loss_parallel_context
 from titan_simple.planning.trace import Collective, OpCost, StepTracer, fused_attention, ignoring_shape_propagation
-from titan_simple.train.build import build_model_parts
-from titan_simple.train.optim import optimizer_from_config
+from titan_simple.train.assemble import build_run
 from titan_simple.train.plan import RunPlan
-from titan_simple.train.step import TrainStep, build_train_step
+from titan_simple.train.step import TrainStep
 
 # How the trace models the fused cross-entropy of a loss compiled with the model (see trace_rank).
 FUSED_LOSS_TRACE_CHUNKS = 8
@@ -238,15 +237,14 @@ def trace_rank(run: RunPlan, mesh: DeviceMesh | None) -> RankTrace:
         # their gradient) in their dtype and no fp32 copy. Traced eagerly, the chunked loss keeps exactly that.
         run = dataclasses.replace(run, loss=dataclasses.replace(run.loss, chunks=FUSED_LOSS_TRACE_CHUNKS))
     # The trainer's build, left on the meta device.
-    model_parts = build_model_parts(run, mesh, torch.device("meta"), materialize=False)
+    built = build_run(run, torch.device("meta"), mesh=mesh, materialize=False, lr_schedule=False)
+    model_parts, optimizer, train_step = built.parts, built.optimizer, built.step
     parts = model_parts.modules
     pipeline = model_parts.pipeline
     stages: list[int | None] = [stage.stage_index for stage in pipeline.stages] if pipeline else [None]
 
     # Steady state: gradients and optimizer state exist before the step starts (after step 1).
     params = [param for part in parts for param in part.parameters() if param.requires_grad]
-    optimizer = optimizer_from_config(run.config, model_parts.as_module())
-    train_step = build_train_step(model_parts, run, optimizer)
     for param in params:
         param.grad = torch.zeros_like(param)
     _create_optimizer_state(optimizer)

@@ -3,6 +3,7 @@
     plan = resolve_plan(config, world_size, device.type)   # train/plan.py: every decision, no communication
     mesh = plan.dims.build_mesh(device.type)
     parts = build_model_parts(plan, mesh, device)           # parts.modules: [model] or this rank's stages
+                                                            # (train/assemble.build_run calls it)
 
 The model is built on the meta device and goes through the recipe (``parallelize.parallelize_llama``: tensor
 parallel -> activation checkpointing -> SimpleFSDP / FSDP2 -> compile) as ``plan.parallel`` says; with pipeline

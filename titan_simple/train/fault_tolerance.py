@@ -48,6 +48,7 @@ import torch
 from titan_simple.errors import ConfigError, LighthouseLost
 from titan_simple.train.metrics import LIVE_GROUPS
 from titan_simple.train.replica_state import GradientBuckets, Progress, ReplicaState, recovery_timeout, state_bytes
+from titan_simple.train.step import StepFeature
 
 logger = logging.getLogger("titan_simple")
 
@@ -169,15 +170,16 @@ def replica_process_group(device: torch.device, timeout: timedelta) -> Any:
     return ProcessGroupGloo(timeout=timeout)
 
 
-class ReplicaGroups:
+class ReplicaGroups(StepFeature):
     """This rank's view of the replica groups: torchft's Manager over a reconfigurable process group that links
-    rank r of every live group. Build it after the checkpoint is loaded (``progress`` is where the run is)."""
+    rank r of every live group. A step feature (``train/step.py``): after backward it averages the gradients
+    over the live groups, and the step commits only when every group completed it. Built before the run (the
+    assembly installs it), ``connect`` after the checkpoint is loaded (``state.progress`` is where the run is)."""
 
-    def __init__(self, config: Any, *, state: ReplicaState, rank: int, world_size: int, device: torch.device,
-                 lighthouse: str, dump_folder: str) -> None:
-        from torchft import Manager
-        from torchft.checkpointing.pg_transport import PGTransport
+    keeps_gradient_buffers = True  # the average runs in the gradients' own buffer (GradientBuckets)
 
+    def __init__(self, config: Any, *, rank: int, world_size: int, device: torch.device, lighthouse: str,
+                 dump_folder: str) -> None:
         ft = config.fault_tolerance
         for name in ("torchft", "torchft_quorums", "torchft_commits"):  # torchft logs every step at INFO
             logging.getLogger(name).setLevel(logging.WARNING)
@@ -188,7 +190,8 @@ class ReplicaGroups:
         self.group_size = ft.group_size
         self.lighthouse = lighthouse
         self.gradients = GradientBuckets(int(ft.bucket_cap_mb * 2**20), in_bf16=ft.allreduce_in_bf16)
-        self.state = state
+        self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
+        self.dump_folder = dump_folder
         self.healed: Progress | None = None
         self.committed_steps = 0  # before the step in flight
         self.uncommitted_steps = 0  # steps abandoned because a peer group failed during them, since start-up
@@ -197,6 +200,15 @@ class ReplicaGroups:
         self.live_groups = 0
         self.quorum_seconds = 0.0  # of the last start_step: a stall waiting for a quorum, or a heal, shows here
         self.allreduce_seconds = 0.0  # of the last average()
+
+    def connect(self, state: ReplicaState) -> None:
+        """Join the lighthouse with this rank's ``state`` (after the checkpoint is loaded into it)."""
+        from torchft import Manager
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        ft, device, rank, world_size = self.config.fault_tolerance, self.device, self.rank, self.world_size
+        lighthouse, dump_folder = self.lighthouse, self.dump_folder
+        self.state = state
         timeout = timedelta(seconds=ft.timeout_seconds)
         pg = replica_process_group(device, timeout)
         # The whole heal (and the manager's other waits) may take the transfer of this rank's state at the slowest
@@ -278,6 +290,9 @@ class ReplicaGroups:
                     "--bind [::]:PORT) and relaunch the groups: they resume from the newest complete checkpoint."
                 ) from None
             raise
+
+    def after_backward(self, params: list[torch.nn.Parameter], loss_sum: torch.Tensor) -> torch.Tensor:
+        return self.average(params, loss_sum)
 
     def average(self, params: list[torch.nn.Parameter], loss_sum: torch.Tensor) -> torch.Tensor:
         """Average this rank's gradient shards and its loss across the live groups, in place, in slices of the

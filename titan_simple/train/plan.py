@@ -3,8 +3,8 @@
     plan = resolve_plan(config, world_size, device_type="cuda")   # raises the one-line ConfigError
     for line in plan.describe():                                  # what will run, and why where auto chose
         logger.info(line)
-    parts = build_model_parts(plan, mesh, device)                 # the build, the step, validation, the dry
-    step = build_train_step(parts, plan, optimizer)               # run and the benchmark read the plan
+    run = build_run(plan, device)                                 # the build, the step, validation, the dry
+                                                                  # run and the benchmark read the plan
 
 Every decision derived from the config and the mesh degrees has one function below, and only
 ``resolve_plan`` calls them (tests may call them directly): the mesh degrees, the pipeline plan, gradient

@@ -1,9 +1,9 @@
 """One training step: forward, loss, backward, gradient clipping and the optimizer step of one global batch.
 
-    step = build_train_step(parts, plan, optimizer, lr_scheduler)
+    step = build_run(plan, device).step   # train/assemble.py builds it with the model parts and optimizer
     result = step(batches)          # batches: this rank's ``accumulation_steps`` (inputs, labels) pairs
 
-The trainer, the parity tests, the dry run (``planning/``) and the scripts all call it, so what they check or
+The trainer, the parity tests, the dry run (``planning/``) and the scripts all run it, so what they check or
 measure is what trains: the plan (``train/plan.py``) gives the step its autocast, loss mode and compile mode,
 and the loss is ``train/loss.py``'s. Two implementations share the bookkeeping: ``LocalStep`` runs the model
 on this rank; ``PipelineStep`` hands each batch to the pipeline schedule, which runs the loss on the last
@@ -18,20 +18,22 @@ the dp degree (``fsdp2.gradient_averaging_factor``).
 **Hooks.** ``StepHooks`` lets a caller watch a step without copying it: ``begin`` / ``end`` around the whole
 step (the benchmark's timer and profiler), ``phase(name)`` at "forward", "backward" and "optimizer" (the dry
 run's memory tracer).
+
+**Features.** A feature that changes what a step does (float8's weight refresh, fault tolerance's average over
+replica groups) is a ``StepFeature`` the assembly (``train/assemble.py``) hands the step; this file names none.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from titan_simple.parallel.clip_grad import clip_grad_norm_
-from titan_simple.parallel.float8_gather import refresh_float8_weights
 from titan_simple.parallel.fsdp2 import gradient_averaging_factor
 from titan_simple.parallel.tensor_parallel import loss_parallel_context
 from titan_simple.train.build import ModelParts
-from titan_simple.train.fault_tolerance import ReplicaGroups
 from titan_simple.train.loss import ModelWithLoss
 from titan_simple.train.plan import RunPlan
 
@@ -50,6 +52,24 @@ class StepHooks:
 
     def end(self, result: StepResult) -> None:
         pass
+
+
+class StepFeature:
+    """What a feature adds to every step; the defaults change nothing. Called in this order: ``before_forward``
+    (after the gradients are zeroed), ``after_backward`` (every gradient reduced within this group, before
+    clipping: it may change the gradients and returns the loss sum to report), ``should_commit`` (False: no
+    optimizer step, retry the batch)."""
+
+    keeps_gradient_buffers = False  # True: the step zeroes gradients in place (the feature holds their buffers)
+
+    def before_forward(self) -> None:
+        pass
+
+    def after_backward(self, params: list[torch.nn.Parameter], loss_sum: torch.Tensor) -> torch.Tensor:
+        return loss_sum
+
+    def should_commit(self) -> bool:
+        return True
 
 
 @dataclass
@@ -72,7 +92,8 @@ class TrainStep:
     one batch runs forward and backward (``_forward_backward``) and how the gradient norm is combined."""
 
     def __init__(self, parts: ModelParts, plan: RunPlan, optimizer: torch.optim.Optimizer,
-                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> None:
+                 lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, *,
+                 features: Sequence[StepFeature] = (), keep_grad_buffers: bool = False) -> None:
         self.parts = parts
         self.plan = plan
         self.dims = plan.dims
@@ -82,11 +103,11 @@ class TrainStep:
         self.max_norm = max_norm if max_norm > 0 else float("inf")
         self.autocast = plan.autocast
         self.hooks = StepHooks()
-        self.keep_grad_buffers = False  # True: zero the gradients in place instead of freeing them (measurements)
+        self.features = tuple(features)
+        # Zero the gradients in place instead of freeing them: for the memory measurements, and for a feature
+        # that holds the gradients' buffers.
+        self.keep_grad_buffers = keep_grad_buffers or any(f.keeps_gradient_buffers for f in self.features)
         self.device = parts.device
-        # Fault tolerance (train/fault_tolerance.py): averages the gradients across the replica groups after the
-        # group's own reductions and decides whether the step commits. None: a plain run, nothing changes.
-        self.replicas: ReplicaGroups | None = None
 
     def loss(self, output: torch.Tensor, labels: torch.Tensor, loss_scale: float) -> torch.Tensor:
         """The scaled training loss of one batch's output. With loss parallel, call it and run its backward
@@ -102,11 +123,10 @@ class TrainStep:
         tokens_per_batch = batches[0][1].numel() * self.dims.dp
         global_tokens = tokens_per_batch * len(batches)
         loss_scale = self.loss_scale(global_tokens)
-        # Replica groups average the gradients in the buffer they live in (fault_tolerance.GradientBuckets): zero it.
-        self.optimizer.zero_grad(set_to_none=not (self.keep_grad_buffers or self.replicas is not None))
+        self.optimizer.zero_grad(set_to_none=not self.keep_grad_buffers)
         loss_sum = torch.zeros((), device=self.device)
-        if self.plan.parallel.float8_all_gather:  # the weights changed: this step's float8 scales, one all-reduce
-            refresh_float8_weights(self.parts.modules)
+        for feature in self.features:
+            feature.before_forward()
         gather = self.parts.step_gather
         if gather is not None:  # once per step: all-gather the weights now, reduce-scatter after the last batch
             self.hooks.phase("gather")
@@ -126,6 +146,10 @@ class TrainStep:
             gather.reduce()
         return self._combine_loss(loss_sum), global_tokens
 
+    def compiled_modules(self) -> list[torch.nn.Module]:
+        """The modules whose compiled graphs run in this step (where the comm plan recorders look)."""
+        return list(self.parts.modules)
+
     def _params_with_gradients(self) -> list[torch.nn.Parameter]:
         return [p for part in self.parts.modules for p in part.parameters() if p.grad is not None]
 
@@ -136,15 +160,15 @@ class TrainStep:
         self.hooks.begin()
         loss_sum, global_tokens = self.forward_backward(batches)
         self.hooks.phase("optimizer")
-        if self.replicas is not None:  # clipping sees the gradients averaged over the live replica groups
-            loss_sum = self.replicas.average(self._params_with_gradients(), loss_sum)
+        for feature in self.features:  # clipping sees what the features made of the gradients
+            loss_sum = feature.after_backward(self._params_with_gradients(), loss_sum)
         grad_norm = self.clip_gradients()
         lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses, before the schedule advances
         # The norm is global (every rank holds the same value), so all ranks take the same branch; a NaN/Inf
         # loss anywhere makes it non-finite too. The caller decides whether that stops the run.
         applied = bool(torch.isfinite(grad_norm))
-        # Every replica group agrees the step went through (a collective in the group): else nothing steps.
-        committed = self.replicas.should_commit() if self.replicas is not None else True
+        # Every feature must agree (fault tolerance: every live replica group went through the step).
+        committed = all([feature.should_commit() for feature in self.features])
         if applied and committed:
             self.optimizer.step()
             if self.lr_scheduler is not None:
@@ -180,6 +204,10 @@ class LocalStep(TrainStep):
             self.model_with_loss = ModelWithLoss(self.parts.modules[0], self.autocast, self.plan.loss)
             if self.plan.compile.enabled:  # the dry run traces the same step eagerly (plan.without_compile)
                 self.plan.compile.compile_whole(self.model_with_loss, plan_root="model")
+
+    def compiled_modules(self) -> list[torch.nn.Module]:
+        extra = [self.model_with_loss] if self.model_with_loss is not None else []
+        return [*self.parts.modules, *extra]
 
     def _forward_backward(self, inputs, labels, loss_scale):
         self.hooks.phase("forward")
@@ -219,7 +247,9 @@ class PipelineStep(TrainStep):
 
 
 def build_train_step(parts: ModelParts, plan: RunPlan, optimizer: torch.optim.Optimizer,
-                     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None) -> TrainStep:
-    """The step for ``parts`` as ``plan`` says: a ``PipelineStep`` for pipeline stages, else a ``LocalStep``."""
+                     lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, *,
+                     features: Sequence[StepFeature] = (), keep_grad_buffers: bool = False) -> TrainStep:
+    """The step for ``parts`` as ``plan`` says: a ``PipelineStep`` for pipeline stages, else a ``LocalStep``.
+    Call ``train/assemble.build_run`` instead: it builds the parts and installs the plan's features."""
     cls = PipelineStep if parts.pipeline is not None else LocalStep
-    return cls(parts, plan, optimizer, lr_scheduler)
+    return cls(parts, plan, optimizer, lr_scheduler, features=features, keep_grad_buffers=keep_grad_buffers)

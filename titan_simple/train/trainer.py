@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from titan_simple.config import JobConfig, resolve_project_path
 from titan_simple.data import Tokenizer, build_dataloader
@@ -17,7 +16,7 @@ from titan_simple.models.from_config import check_vocabulary
 from titan_simple.parallel.compile import comm_plan_recorders
 from titan_simple.parallel.compile_cache import describe_compile_cache, use_compile_cache
 from titan_simple.parallel.dims import dp_rank_and_size
-from titan_simple.train.build import build_model_parts
+from titan_simple.train.assemble import build_run
 from titan_simple.train.checkpoint import CheckpointManager, TrainProgress
 from titan_simple.train.distributed import (
     DistInfo,
@@ -34,12 +33,11 @@ from titan_simple.train.metrics import (
     global_avg_and_max,
     peak_flops_per_second,
 )
-from titan_simple.train.optim import lr_scheduler_from_config, optimizer_from_config
 from titan_simple.train.plan import resolve_plan
 from titan_simple.train.profiling import Profiler
 from titan_simple.train.replica_state import Progress, ReplicaState
 from titan_simple.train.run_status import RunStatus
-from titan_simple.train.step import StepResult, build_train_step
+from titan_simple.train.step import StepResult
 from titan_simple.train.validation import Validator
 
 logger = logging.getLogger("titan_simple")
@@ -106,14 +104,17 @@ class Trainer:
             shuffle_seed=self.plan.data.shuffle_seed,
             cache=self.plan.data.cache,
         )
-        self.parts = build_model_parts(self.plan, self.mesh, self.device)
+        # Fault tolerance: a step feature that averages over the replica groups; it joins them after the checkpoint.
+        self.replicas = ReplicaGroups(
+            config, rank=self.dist.rank, world_size=self.dist.world_size, device=self.device,
+            lighthouse=self.lighthouse, dump_folder=self.log_folder) if ft.enable else None
+        self.run = build_run(self.plan, self.device, mesh=self.mesh,
+                             features=[self.replicas] if self.replicas is not None else [])
+        self.parts, self.optimizer, self.lr_scheduler = self.run.parts, self.run.optimizer, self.run.lr_scheduler
+        self.step_fn = self.run.step
         self.model_parts = self.parts.modules
         self.model, self.pipeline = self.parts.model, self.parts.pipeline  # model: None under pipeline parallel
         self.num_params, self.flops_per_token = self.parts.num_params, self.parts.flops_per_token
-
-        self.optimizer = optimizer_from_config(config, nn.ModuleList(self.model_parts))
-        self.lr_scheduler = lr_scheduler_from_config(config, self.optimizer)
-        self.step_fn = build_train_step(self.parts, self.plan, self.optimizer, self.lr_scheduler)
         self.metrics = MetricsLogger(
             self.log_folder, rank=self.dist.rank, enable_tensorboard=config.metrics.enable_tensorboard,
             save_tb_folder=config.metrics.save_tb_folder,
@@ -142,13 +143,9 @@ class Trainer:
         resumed = self.checkpoint.load()  # model, optimizer, schedule, data position, RNG: all built by now
         if resumed is not None:
             self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
-        self.replicas: ReplicaGroups | None = None
-        if ft.enable:  # after the checkpoint: the groups compare steps, and one that is behind heals from a peer
+        if self.replicas is not None:  # after the checkpoint: the groups compare steps, one behind heals from a peer
             params = [p for part in self.model_parts for p in part.parameters()]
-            state = ReplicaState(params, self.optimizer, self.lr_scheduler, self._ft_progress)
-            self.replicas = ReplicaGroups(config, state=state, rank=self.dist.rank, world_size=self.dist.world_size,
-                                          device=self.device, lighthouse=self.lighthouse, dump_folder=self.log_folder)
-            self.step_fn.replicas = self.replicas
+            self.replicas.connect(ReplicaState(params, self.optimizer, self.lr_scheduler, self._ft_progress))
 
     def _log_summary(self) -> None:
         stages = ("" if self.pipeline is None else
@@ -264,7 +261,7 @@ class Trainer:
                     data_iter = iter(self.dataloader)
                     continue
                 if self.step == resumed_at + 1 and self.plan.compile.enabled:  # every graph is compiled by now
-                    compiled = [*self.model_parts, getattr(self.step_fn, "model_with_loss", None)]
+                    compiled = self.step_fn.compiled_modules()
                     logger.info(describe_compile_cache(comm_plan_recorders(compiled)))
                 # Tokens per device: ranks that split one batch (tensor / pipeline parallel) share its tokens.
                 timer.step_done(result.global_tokens // self.dist.world_size)
