@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_simple.parallel.activation_checkpoint import apply_activation_checkpointing
-from titan_simple.parallel.compile import CompilePlan
 from titan_simple.parallel.dims import ParallelDims, dp_mesh, tensor_parallel_mesh
 from titan_simple.parallel.float8_gather import enable_float8_all_gather
 from titan_simple.parallel.fsdp2 import apply_fsdp2
@@ -25,6 +25,21 @@ from titan_simple.parallel.tensor_parallel import apply_tensor_parallel, keep_gr
 from titan_simple.parallel.torch_private import enable_symmetric_memory
 
 logger = logging.getLogger(__name__)
+
+
+class Compiles(Protocol):
+    """What the recipe asks of the run's compile plan (``compile/compiler.CompilePlan``): which mode, and how to
+    compile a block, a model's regions or a whole model. The compiler sits above the parallelisms (it buckets
+    SimpleFSDP's collectives), so ``parallel/`` names only this."""
+
+    mode: str  # off | whole | per_block | regional
+    async_tensor_parallel: bool
+
+    def compile_block(self, block: nn.Module) -> None: ...
+
+    def compile_regional(self, model: nn.Module) -> object: ...
+
+    def compile_whole(self, model: nn.Module) -> object: ...
 
 
 @dataclass(frozen=True)
@@ -40,7 +55,7 @@ class ParallelPlan:
     param_dtype: torch.dtype  # what data parallel gathers and computes in
     reduce_dtype: torch.dtype  # what gradients are reduced in
     reshard_after_forward: bool
-    compile: CompilePlan
+    compile: Compiles
     float8_all_gather: bool = False  # SimpleFSDP gathers tensorwise float8 weights in float8
     float8_tensor_parallel: bool = False  # torchao's float8 TP styles for tensorwise float8 linears
     save_float8_amax: bool = True  # selective op AC saves float8 amaxes ([float8] stable_recompute)
