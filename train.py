@@ -2,7 +2,7 @@
 
 Also runs as plain ``python train.py ...`` (one process). ``--help`` lists every config key.
 ``python train.py --config llama3_70b.toml --dry_run --dry_run.world_size 256`` plans a cluster run instead
-(per-rank memory, collectives, predicted tokens/s; see titan_simple/planning/dry_run.py).
+(per-rank memory, collectives, predicted tokens/s; see titan_simple/dry_run/run.py).
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ def main(argv: list[str] | None = None) -> int:
 
         config = load_job_config(argv)
         if config.dry_run.enable:  # plan the run on this machine: one fake rank, meta tensors, no training
-            from titan_simple.planning.dry_run import run_dry_run
+            from titan_simple.dry_run.run import run_dry_run
 
             run_dry_run(config)
             return 0
-        from titan_simple.train.distributed import shutdown_distributed
-        from titan_simple.train.trainer import Trainer
+        from titan_simple.trainer.distributed import shutdown_distributed
+        from titan_simple.trainer.trainer import Trainer
 
         try:
             Trainer(config).train()
@@ -56,6 +56,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from titan_simple.train.distributed import exit_process
+    from titan_simple.trainer.distributed import exit_process
 
     exit_process(main())

@@ -283,7 +283,7 @@ def count_collectives(op_names: Iterable[str]) -> dict[str, int]:
 
 def matmul_flops_per_second(n: int = 1024, reps: int = 5) -> float:
     """Best-of-``reps`` rate of an ``n x n`` fp32 matmul on one thread."""
-    from titan_simple.planning.measuring import matmul_flops, matmul_seconds, torch_threads
+    from titan_simple.dry_run.probes import matmul_flops, matmul_seconds, torch_threads
 
     with torch_threads(1):
         best = matmul_seconds(n, reps, least=True)
@@ -297,8 +297,8 @@ def step_probe(trainer: Any, count_last: bool, profile_step: int | None = None, 
     torch.profiler table of that step to ``profile_path`` instead."""
     import torch
 
-    from titan_simple.train.metrics import PEAK_RSS_GIB, MemoryMonitor, rss_bytes
-    from titan_simple.train.step import StepHooks
+    from titan_simple.core.step import StepHooks
+    from titan_simple.trainer.metrics import PEAK_RSS_GIB, MemoryMonitor, rss_bytes
 
     class StepProbe(StepHooks):
         def __init__(self) -> None:
@@ -359,8 +359,8 @@ def worker_main(argv: list[str]) -> None:
     import torch.distributed as dist
 
     from titan_simple.config import load_job_config
-    from titan_simple.train.distributed import shutdown_distributed
-    from titan_simple.train.trainer import Trainer
+    from titan_simple.trainer.distributed import shutdown_distributed
+    from titan_simple.trainer.trainer import Trainer
 
     config = load_job_config(overrides)
     t0 = time.perf_counter()
@@ -784,7 +784,7 @@ def main() -> None:
     argv = sys.argv[1:]
     if argv and argv[0] == "--worker":
         worker_main(argv[1:])
-        from titan_simple.train.distributed import exit_process
+        from titan_simple.trainer.distributed import exit_process
 
         exit_process(0)  # no interpreter teardown after gloo (see exit_process)
     else:

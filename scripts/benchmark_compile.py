@@ -61,8 +61,8 @@ def worker_main(argv: list[str]) -> None:
 
     from titan_simple.config import load_job_config
     from titan_simple.parallel.torch_private import compile_counters
-    from titan_simple.train.distributed import shutdown_distributed
-    from titan_simple.train.trainer import Trainer
+    from titan_simple.trainer.distributed import shutdown_distributed
+    from titan_simple.trainer.trainer import Trainer
 
     trainer = Trainer(load_job_config(overrides))
     built = time.perf_counter()

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from titan_simple.train.fault_tolerance import replica_process_group
-from titan_simple.train.replica_state import recovery_timeout, state_bytes
+from titan_simple.trainer.fault_tolerance import replica_process_group
+from titan_simple.trainer.replica_state import recovery_timeout, state_bytes
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "fault_tolerance.md"
 BEGIN, END = "<!-- benchmark_heal: begin -->", "<!-- benchmark_heal: end -->"

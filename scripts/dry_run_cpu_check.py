@@ -33,8 +33,8 @@ def predict(argv: list[str], world_size: int, rates: dict[str, float]) -> dict:
         code = (
             "import json, sys\n"
             "from titan_simple.config import load_job_config\n"
-            "from titan_simple.planning.dry_run import run_dry_run\n"
-            "from titan_simple.planning.hardware import device_spec\n"
+            "from titan_simple.dry_run.run import run_dry_run\n"
+            "from titan_simple.dry_run.hardware import device_spec\n"
             "rates = json.loads(sys.argv[1])\n"
             "config = load_job_config(sys.argv[2:])\n"
             "spec = device_spec('cpu', config.dry_run.world_size, peak_flops=rates['matmul_flops'],\n"
@@ -60,7 +60,7 @@ def main() -> None:
     # Pinned (not the config's current batch), so the doc's numbers stay reproducible.
     argv = ["--config", "llama3_debug.toml", "--training.local_batch_size", "4", "--training.seq_len", "128", *rest]
 
-    from titan_simple.planning.measure import measure
+    from titan_simple.dry_run.cpu_check import measure
 
     rows = []
     for n in args.world_sizes:

@@ -4,7 +4,7 @@
 
 Each case runs ``train.py --dry_run`` with the overrides that match the published setting as closely as our
 configs allow, and prints a markdown table: predicted vs published memory (the allocator's reserved peak, as
-published) and tokens/s/GPU, with the error. The GPU constants of planning/hardware.py were fitted on the case
+published) and tokens/s/GPU, with the error. The GPU constants of dry_run/hardware.py were fitted on the case
 marked "fit"; every other case is held out. The published figures and their settings are in docs/dry_run.md.
 """
 

@@ -25,7 +25,7 @@ from titan_simple.errors import ConfigError, UserError  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     from titan_simple.models.llama3 import LLAMA3_FLAVORS
-    from titan_simple.train.checkpoint import EXPORT_DTYPES, complete_steps, export_hf, find_checkpoint, model_args_of
+    from titan_simple.trainer.checkpoint import EXPORT_DTYPES, complete_steps, export_hf, find_checkpoint, model_args_of
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True, help="a step-N folder, or a checkpoint folder (newest step)")

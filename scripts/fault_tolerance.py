@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-FAILURE_ENV = "TITAN_SIMPLE_FT_FAIL"  # read by titan_simple/train/fault_tolerance.py
+FAILURE_ENV = "TITAN_SIMPLE_FT_FAIL"  # read by titan_simple/trainer/fault_tolerance.py
 USAGE_ERROR = 2  # a bad argument or config, as train.py exits on one
 
 

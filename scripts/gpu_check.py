@@ -63,20 +63,23 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
+from titan_simple.compile.compiler import comm_plan_recorders, transformer_block_plan  # noqa: E402
 from titan_simple.config import JobConfig, load_job_config  # noqa: E402
-from titan_simple.parallel.compile import comm_plan_recorders, transformer_block_plan  # noqa: E402
+from titan_simple.core.assemble import Run, build_run  # noqa: E402
+from titan_simple.core.device_peaks import peak_flops_per_second  # noqa: E402
+from titan_simple.core.optim import lr_scheduler_from_config  # noqa: E402
+from titan_simple.core.plan import resolve_plan  # noqa: E402
 from titan_simple.parallel.dims import tensor_parallel_mesh  # noqa: E402
 from titan_simple.parallel.torch_private import probe_symmetric_memory  # noqa: E402
-from titan_simple.train.assemble import Run, build_run  # noqa: E402
-from titan_simple.train.checkpoint import CheckpointManager, TrainProgress  # noqa: E402
-from titan_simple.train.distributed import (  # noqa: E402
+from titan_simple.trainer.checkpoint import CheckpointManager, TrainProgress  # noqa: E402
+from titan_simple.trainer.distributed import (  # noqa: E402
     DistInfo,
     exit_process,
     init_process_group,
     read_launch_environment,
     shutdown_distributed,
 )
-from titan_simple.train.metrics import (  # noqa: E402
+from titan_simple.trainer.metrics import (  # noqa: E402
     CUDA_MAX_ACTIVE_GIB,
     CUDA_MAX_RESERVED_GIB,
     CUDA_MAX_RESERVED_PERCENT,
@@ -88,11 +91,8 @@ from titan_simple.train.metrics import (  # noqa: E402
     TFLOPS,
     MemoryMonitor,
     StepTimer,
-    peak_flops_per_second,
 )
-from titan_simple.train.optim import lr_scheduler_from_config  # noqa: E402
-from titan_simple.train.plan import resolve_plan  # noqa: E402
-from titan_simple.train.profiling import Profiler  # noqa: E402
+from titan_simple.trainer.profiling import Profiler  # noqa: E402
 
 logger = logging.getLogger("gpu_check")
 
@@ -232,11 +232,11 @@ def mfu_outcome(device_type: str, device_name: str, peak_flops: float | None, me
     """The MFU row from the window metrics the trainer would log (``StepTimer.window_metrics``)."""
     tflops = metrics[TFLOPS]
     if device_type != "cuda":
-        return Outcome(SKIPPED, f"MFU is not defined on CPU: the peak table (PEAK_BF16_TFLOPS in train/metrics.py) "
+        return Outcome(SKIPPED, f"MFU is not defined on CPU: the peak table (PEAK_BF16_TFLOPS in core/device_peaks.py) "
                                 f"lists GPUs only, so the trainer logs tflops ({tflops:.3g} here) and no mfu")
     if peak_flops is None:
         return Outcome(SKIPPED, f"'{device_name}' is not in the peak table, so the trainer logs no MFU; add its dense "
-                                "BF16 TFLOP/s to PEAK_BF16_TFLOPS in titan_simple/train/metrics.py")
+                                "BF16 TFLOP/s to PEAK_BF16_TFLOPS in titan_simple/core/device_peaks.py")
     mfu = metrics.get(MFU)
     if mfu is None or not 0 < mfu <= 100:
         raise CheckFailed(f"MFU {mfu} % is impossible ({tflops:.3g} TFLOP/s against {peak_flops / 1e12:.0f} peak)",
@@ -319,7 +319,7 @@ class Checks:
         return self.info.rank
 
     def ensure_process_group(self) -> None:
-        """The process group as train.py starts it (``train/distributed.py``); nothing with one process."""
+        """The process group as train.py starts it (``trainer/distributed.py``); nothing with one process."""
         if self.info.world_size > 1 and not dist.is_initialized():
             init_process_group(self.info, timeout_seconds=300)
         elif self.device.type == "cuda":
@@ -417,7 +417,7 @@ def check_process_group(checks: Checks) -> Outcome:
         bound = getattr(dist.group.WORLD, "bound_device_id", None)
         if bound != checks.device:
             raise CheckFailed(f"rank {info.rank}: the process group is bound to {bound}, not {checks.device}",
-                              "report this table: train/distributed.py no longer passes device_id")
+                              "report this table: trainer/distributed.py no longer passes device_id")
         where = f"{torch.cuda.get_device_name(checks.device)} "
     value = torch.tensor([float(info.rank + 1)], device=checks.device)
     dist.all_reduce(value)

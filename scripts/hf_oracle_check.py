@@ -21,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from titan_simple.models.hf_llama import model_args_from_hf, read_hf_config, save_hf
 from titan_simple.models.llama3 import Transformer, build_model
-from titan_simple.train.checkpoint import load_model_weights
+from titan_simple.trainer.checkpoint import load_model_weights
 
 LENGTHS = (128, 4096)
 SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=16,

@@ -4,7 +4,7 @@
                                                 # between the markers in docs/simple_fsdp_memory.md
     python scripts/measure_memory.py --no-doc   # print the tables only
 
-The model and its step are the trainer's own (``train.assemble.build_run``; the probes below
+The model and its step are the trainer's own (``core.assemble.build_run``; the probes below
 watch the step through its ``StepHooks``), ``debugmodel_large`` (8 blocks, dim 512) by default, fully_shard
 on 2 processes, fp32. Each case runs one warm-up step (it creates the optimizer state and, compiled, compiles)
 and measures the second: ``zero_grad`` -> forward -> loss -> backward -> clip -> ``optimizer.step()``.
@@ -54,11 +54,11 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from torch.utils._pytree import tree_leaves  # noqa: E402
 
 from titan_simple.config import load_job_config  # noqa: E402
+from titan_simple.core.assemble import build_run  # noqa: E402
+from titan_simple.core.plan import resolve_plan  # noqa: E402
+from titan_simple.core.step import StepHooks  # noqa: E402
+from titan_simple.dry_run.probes import LiveStorageBytes  # noqa: E402
 from titan_simple.models.llama3 import build_model  # noqa: E402
-from titan_simple.planning.measuring import LiveStorageBytes  # noqa: E402
-from titan_simple.train.assemble import build_run  # noqa: E402
-from titan_simple.train.plan import resolve_plan  # noqa: E402
-from titan_simple.train.step import StepHooks  # noqa: E402
 
 DOC = PROJECT_DIR / "docs" / "simple_fsdp_memory.md"
 BEGIN, END = "<!-- measure_memory.py: begin -->", "<!-- measure_memory.py: end -->"

@@ -1,4 +1,4 @@
-"""How did the last run end? Reads ``<dump_folder>/run_status.json`` (``titan_simple/train/run_status.py``).
+"""How did the last run end? Reads ``<dump_folder>/run_status.json`` (``titan_simple/trainer/run_status.py``).
 
     .venv/bin/python scripts/run_status.py [--since EPOCH_SECONDS] --config CONFIG.toml [--section.key value ...]
 
@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from titan_simple.config import load_job_config  # noqa: E402
 from titan_simple.errors import UserError  # noqa: E402
-from titan_simple.train.fault_tolerance import log_folder  # noqa: E402
-from titan_simple.train.run_status import read_run_status, status_path  # noqa: E402
+from titan_simple.trainer.fault_tolerance import log_folder  # noqa: E402
+from titan_simple.trainer.run_status import read_run_status, status_path  # noqa: E402
 
 FINISHED, RESUMABLE, NOT_RESUMABLE, CONFIG_ERROR = 0, 75, 1, 2
 

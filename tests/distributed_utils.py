@@ -67,8 +67,8 @@ class RankFailed(RuntimeError):
 
 # Imported once in the forkserver, before any rank forks from it. Nothing here may start a thread or a process
 # group at import (a forked child would inherit it half-made).
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "titan_simple.train.trainer",
-            "titan_simple.parallel.compile", "tests.parity"]
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "titan_simple.trainer.trainer",
+            "titan_simple.compile.compiler", "tests.parity"]
 
 
 def _context() -> mp.context.BaseContext:
@@ -83,7 +83,7 @@ def _worker(fn, rank, world_size, store_path, args, kwargs, results, threads, en
     torch.set_num_threads(threads)
     ok = False
     try:
-        use_one_gloo_worker_thread()  # as the trainer's processes do (titan_simple.train.distributed)
+        use_one_gloo_worker_thread()  # as the trainer's processes do (titan_simple.trainer.distributed)
         store = dist.FileStore(store_path, world_size)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         value = fn(rank, world_size, *args, **kwargs)

@@ -1,6 +1,6 @@
 """Read Inductor's generated wrapper code, for tests that check what order really runs.
 
-The comm plan (``titan_simple/parallel/comm_plan.py``) shows the order our pass chose in the FX graph.
+The comm plan (``titan_simple/compile/comm_plan.py``) shows the order our pass chose in the FX graph.
 Inductor's own scheduler could still move ops after that, so the tests also read the code Inductor generated.
 """
 

@@ -5,7 +5,7 @@
     result = train_steps(run, recipe)                   # {"losses": [...], "norms": [...], ...}
     assert_parity(results, "fully_shard/eager", reference, rtol=5e-7, norm_rtol=2e-4)
 
-``build_layout`` is ``train.plan.resolve_plan`` and ``train.assemble.build_run``: exactly what ``Trainer``
+``build_layout`` is ``core.plan.resolve_plan`` and ``core.assemble.build_run``: exactly what ``Trainer``
 builds (autocast, loss and the step's features included), so a parity
 test checks the code that trains, not a copy of it. Each step feeds one fixed global batch of random tokens (a
 different one per step, from ``Recipe.batch_seed``), of which each data-parallel rank takes its rows along the
@@ -24,9 +24,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from titan_simple.config import JobConfig, load_job_config
-from titan_simple.train.assemble import Run, build_run
-from titan_simple.train.plan import resolve_plan
-from titan_simple.train.step import StepHooks
+from titan_simple.core.assemble import Run, build_run
+from titan_simple.core.plan import resolve_plan
+from titan_simple.core.step import StepHooks
 
 DEVICE = torch.device("cpu")
 

@@ -42,14 +42,14 @@ COMPILE_MODES: dict[str, tuple[str, ...]] = {
 
 def _forced_mode(name: str):
     """The plan's compile-mode choice, with ``per_block`` forced for that column."""
-    from titan_simple.train import plan
+    from titan_simple.core import plan
 
     choose = plan.choose_compile_mode
     return (lambda config, dims, reasons=None: "per_block") if name == "per_block" else choose
 
 
 def _train_matrix(rank: int, world_size: int, cells: dict[str, tuple[str, str, tuple[str, ...]]]) -> dict:
-    from titan_simple.train import plan
+    from titan_simple.core import plan
 
     choose, out = plan.choose_compile_mode, {}
     for name, (mode, backend, overrides) in cells.items():

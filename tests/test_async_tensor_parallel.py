@@ -20,9 +20,9 @@ import pytest
 from tests.distributed_utils import run_on_ranks
 from tests.parity import Recipe, build_layout, train_steps
 from titan_simple.config import load_job_config
+from titan_simple.core.plan import resolve_plan
 from titan_simple.errors import ConfigError
 from titan_simple.parallel.torch_private import async_tensor_parallel_options, rank_local_compile_options
-from titan_simple.train.plan import resolve_plan
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 TP2 = ("--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1")
@@ -59,7 +59,7 @@ def _compiled_graph_matches(rank: int, world_size: int) -> list[tuple[int, int]]
     what the pass's pattern finders match."""
     import torch._inductor.fx_passes.post_grad as post_grad
 
-    from titan_simple.parallel import compile as compile_module
+    from titan_simple.compile import compile as compile_module
     from titan_simple.parallel.torch_private import async_tensor_parallel_matches
 
     # The pass the Inductor switch runs (post_grad.py: `if config._micro_pipeline_tp: micro_pipeline_tp_pass`).

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from tests.distributed_utils import run_on_ranks
 from titan_simple.config import load_job_config
+from titan_simple.core.step import StepHooks
 from titan_simple.errors import CheckpointError, ConfigError
 from titan_simple.models.hf_llama import (
     from_hf_name,
@@ -33,16 +34,15 @@ from titan_simple.models.hf_llama import (
 )
 from titan_simple.models.llama3 import ModelArgs, Transformer, apply_rotary_emb, build_model, precompute_freqs_cis
 from titan_simple.parallel.simple_fsdp import sharded_parameters
-from titan_simple.train.checkpoint import (
+from titan_simple.trainer.checkpoint import (
     MARKER,
     complete_steps,
     export_hf,
     find_checkpoint,
     load_model_weights,
 )
-from titan_simple.train.distributed import DistInfo
-from titan_simple.train.step import StepHooks
-from titan_simple.train.trainer import Trainer
+from titan_simple.trainer.distributed import DistInfo
+from titan_simple.trainer.trainer import Trainer
 
 TINY = ["--config", "llama3_debug.toml", "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.decay_ratio", "0.5", "--metrics.log_freq", "100",

@@ -1,4 +1,4 @@
-"""titan_simple.parallel.compile: Inductor bucketing / reordering of SimpleFSDP collectives, the comm plan.
+"""titan_simple.compile.compiler: Inductor bucketing / reordering of SimpleFSDP collectives, the comm plan.
 
 The multi-process tests compile a 2-layer Llama 3 debug model (fp32) once per bucketing / reorder setting, in
 ONE set of processes (compilation dominates the runtime): under SimpleFSDP fully_shard on 2 gloo ranks they
@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from tests.distributed_utils import run_on_ranks
 from tests.inductor_code import overlap_in_generated_code
 from tests.parity import COMPILED_RTOL
+from titan_simple.compile import compile as compile_mod
+from titan_simple.compile.compiler import compile_model, transformer_block_plan
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, Transformer
-from titan_simple.parallel import compile as compile_mod
-from titan_simple.parallel.compile import compile_model, transformer_block_plan
 from titan_simple.parallel.simple_fsdp import data_parallel, sharded_parameters
 
 N_LAYERS = 2
@@ -232,17 +232,17 @@ def test_bucketing_on_a_per_block_compiled_layout_warns(caplog):
     """FSDP2 (and TP inside a pipeline stage, and zero-bubble schedules) compile block by block: there is no
     whole-step graph, so [compile] bucketing / reorder cannot apply; the user is told rather than ignored."""
     from titan_simple.config import load_job_config
-    from titan_simple.train.plan import resolve_plan
+    from titan_simple.core.plan import resolve_plan
 
     def plan(*overrides: str) -> str:
         config = load_job_config(["--config", "llama3_debug.toml", "--compile.enable", *overrides])
         return resolve_plan(config, 1, "cpu").compile.mode
 
-    with caplog.at_level("WARNING", logger="titan_simple.train.plan"):
+    with caplog.at_level("WARNING", logger="titan_simple.core.plan"):
         assert plan("--parallelism.fsdp_implementation=fsdp2", "--compile.bucketing=auto") == "per_block"
     assert "bucketing = 'auto', reorder = True ignored" in caplog.text
     caplog.clear()
-    with caplog.at_level("WARNING", logger="titan_simple.train.plan"):
+    with caplog.at_level("WARNING", logger="titan_simple.core.plan"):
         # the defaults (transformer_block + reorder): no noise
         assert plan("--parallelism.fsdp_implementation=fsdp2") == "per_block"
         # SimpleFSDP: the model and its loss as one graph, where bucketing applies

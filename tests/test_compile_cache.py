@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from titan_simple.compile.cache import use_compile_cache
+from titan_simple.compile.comm_plan import CommPlanRecorder
+from titan_simple.compile.compiler import _OverlapPass
 from titan_simple.config import load_job_config
+from titan_simple.core.plan import cpu_has_native_bf16, resolve_plan
 from titan_simple.parallel import activation_checkpoint as ac
-from titan_simple.parallel.comm_plan import CommPlanRecorder
-from titan_simple.parallel.compile import _OverlapPass
-from titan_simple.parallel.compile_cache import use_compile_cache
-from titan_simple.train.plan import cpu_has_native_bf16, resolve_plan
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -121,8 +121,8 @@ class CompileWatch:
 
 
 def _compile_every_setting(rank: int, world_size: int) -> dict[str, dict]:
-    import titan_simple.parallel.compile as compile_module
-    from titan_simple.parallel.compile import comm_plan_recorders
+    import titan_simple.compile.compiler as compile_module
+    from titan_simple.compile.compiler import comm_plan_recorders
     from titan_simple.parallel.torch_private import analytical_runtime_ms
 
     # The GPU's runtime model (no calibration, no NCCL), which the overlap scheduler gets on CUDA.

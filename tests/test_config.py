@@ -101,7 +101,7 @@ def test_shipped_configs_load(name):
 def test_shipped_layouts_fit_their_world_size(name, world_size, expected):
     """The cluster configs validate for their intended world size (degrees, head/vocab/seq_len divisibility,
     the pipeline split), all without building the model or a process group."""
-    from titan_simple.train.plan import resolve_plan
+    from titan_simple.core.plan import resolve_plan
 
     config = load_job_config(["--config", name])
     run = resolve_plan(config, world_size, "cuda")
@@ -151,8 +151,8 @@ def test_train_py_reports_one_line_and_exit_code_2():
 def test_auto_precision_is_bf16_on_gpus_and_on_cpus_with_native_bf16(tmp_path, monkeypatch, flags, native, cpu_dtype):
     import torch
 
+    from titan_simple.core import plan
     from titan_simple.parallel.dims import ParallelDims
-    from titan_simple.train import plan
 
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")

@@ -17,8 +17,8 @@ import torch
 
 from tests.distributed_utils import free_port
 from titan_simple.config import JobConfig, load_job_config
-from titan_simple.train import metrics as m
-from titan_simple.train.trainer import Trainer
+from titan_simple.trainer import metrics as m
+from titan_simple.trainer.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--config", "llama3_debug.toml", "--training.steps", "4", "--training.seq_len", "64",

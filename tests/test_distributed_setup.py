@@ -1,4 +1,4 @@
-"""What the process sets up before and around its process group (``train/distributed.py``): the CUDA allocator
+"""What the process sets up before and around its process group (``trainer/distributed.py``): the CUDA allocator
 and NCCL variables (set only for CUDA, never over a user's value), and the collective timeouts (start-up, then
 training), which reach every process group of the mesh, gloo's here as NCCL's on GPUs."""
 
@@ -13,7 +13,7 @@ import pytest
 from tests.distributed_utils import run_on_ranks
 from titan_simple.config import load_job_config
 from titan_simple.errors import ConfigError
-from titan_simple.train.distributed import (
+from titan_simple.trainer.distributed import (
     allocator_environment,
     nccl_environment,
     prepare_process_environment,
@@ -43,7 +43,7 @@ def test_the_allocator_setting_reaches_torchs_allocator_config(tmp_path):
     starts is what torch's allocator config holds (the device-generic one, which the CPU wheel has too)."""
     script = ("import os, torch\n"
               "from titan_simple.config import load_job_config\n"
-              "from titan_simple.train.distributed import prepare_process_environment\n"
+              "from titan_simple.trainer.distributed import prepare_process_environment\n"
               f"lines = prepare_process_environment(load_job_config(['--job.dump_folder', {str(tmp_path)!r}]), "
               "'cuda')\n"
               "print(lines[0])\n"
@@ -135,7 +135,7 @@ def _timeouts_of_every_group(rank: int, world_size: int) -> list[list[float]]:
     from tests.distributed_utils import gloo_worker_threads
     from titan_simple.parallel.dims import ParallelDims
     from titan_simple.parallel.torch_private import process_group_timeout_seconds
-    from titan_simple.train.distributed import set_timeouts
+    from titan_simple.trainer.distributed import set_timeouts
 
     dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=1, pp=1, world_size=world_size)
     mesh = dims.build_mesh("cpu")
@@ -167,10 +167,10 @@ def test_timeouts_reach_the_default_group_and_every_mesh_group():
 def _trainer_timeouts(rank: int, world_size: int, dump: str) -> tuple[list[float], list[float]]:
     import torch
 
+    from titan_simple.core.step import StepHooks
     from titan_simple.parallel.torch_private import process_group_timeout_seconds
-    from titan_simple.train.distributed import DistInfo
-    from titan_simple.train.step import StepHooks
-    from titan_simple.train.trainer import Trainer
+    from titan_simple.trainer.distributed import DistInfo
+    from titan_simple.trainer.trainer import Trainer
 
     config = load_job_config(["--config", "llama3_debug.toml", "--training.steps", "3", "--training.seq_len", "32",
                               "--training.local_batch_size", "2", "--metrics.enable_tensorboard", "false",
@@ -202,7 +202,7 @@ def test_the_trainer_gives_every_gloo_group_one_worker_thread(monkeypatch):
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
-    from titan_simple.train.distributed import DistInfo, init_process_group
+    from titan_simple.trainer.distributed import DistInfo, init_process_group
 
     helper = c10d._new_process_group_helper
     monkeypatch.setattr(c10d, "_new_process_group_helper", getattr(helper, "__wrapped__", helper))

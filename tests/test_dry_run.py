@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from titan_simple.dry_run.hardware import FLOAT8_MATMUL_EFFICIENCY
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, Transformer, count_parameters
-from titan_simple.planning.hardware import FLOAT8_MATMUL_EFFICIENCY
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 
@@ -92,11 +92,11 @@ def test_private_apis_of_the_dry_run_exist():
     from torch.distributed.tensor._sharding_prop import ShardingPropagator
     from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401
 
-    import titan_simple.planning.trace  # noqa: F401 -- resolves the aten / _c10d_functional op names it prices
+    import titan_simple.dry_run.tracer  # noqa: F401 -- resolves the aten / _c10d_functional op names it prices
 
     assert callable(ShardingPropagator._propagate_tensor_meta_non_cached)
 
-    from titan_simple.planning.fake_pg import init_fake_process_group
+    from titan_simple.dry_run.fake_pg import init_fake_process_group
 
     init_fake_process_group(rank=5, world_size=512)
     try:
@@ -121,7 +121,7 @@ def test_8b_fsdp8_parameter_memory_is_exactly_a_shard(runs):
     assert memory["gradients"] == memory["parameters"]
     assert memory["optimizer_state"] >= 2 * memory["parameters"]  # AdamW: exp_avg + exp_avg_sq (+ step)
     assert report["fits"] and memory["peak"] < memory["reserved"] < memory["device_total"] < memory["device"]
-    # One set of fitted constants for every GPU case (planning/hardware.py): applied as documented.
+    # One set of fitted constants for every GPU case (dry_run/hardware.py): applied as documented.
     spec = report["device_spec"]
     assert memory["reserved"] == pytest.approx(memory["peak"] * (1 + spec["allocator_overhead"]))
     assert memory["device_total"] == pytest.approx(memory["reserved"] + spec["runtime_bytes"])
@@ -212,7 +212,7 @@ def test_collective_counts_match_a_real_two_process_run(runs):
     """The fake-rank trace issues exactly the collectives a real 2-process gloo step issues. In fp32: without
     data parallel a bf16 step runs under autocast (the trainer's, which the measurement uses too), and autocast
     does nothing to the trace's meta tensors."""
-    from titan_simple.planning.measure import measure
+    from titan_simple.dry_run.cpu_check import measure
 
     measured = measure(2, list(TP2_CPU), steps=1, port=29000 + os.getpid() % 1000)
     proc, report = runs["debug_tp2_cpu"].result()

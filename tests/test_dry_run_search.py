@@ -1,5 +1,5 @@
-"""The layout search (``--dry_run.search``, planning/search.py) and the depth shortcut it stands on
-(planning/depth.py): enumeration, bounds, every row equal to a standalone dry run, one-line errors.
+"""The layout search (``--dry_run.search``, dry_run/search.py) and the depth shortcut it stands on
+(dry_run/extrapolation.py): enumeration, bounds, every row equal to a standalone dry run, one-line errors.
 
 Dry runs and searches run through ``train.py`` in their own processes, as a user runs them (a process holds one
 fake world). The searches here plan the debug model, whose traces take milliseconds; the real searches (8B on 8,
@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 
 from titan_simple.config import load_job_config
-from titan_simple.errors import ConfigError
-from titan_simple.planning.layouts import (
+from titan_simple.dry_run.layouts import (
     apply_overrides,
     checked_plan,
     dominated,
@@ -25,8 +24,9 @@ from titan_simple.planning.layouts import (
     global_rows,
     model_of,
 )
-from titan_simple.planning.search import parse_pins
-from titan_simple.planning.search_table import format_search
+from titan_simple.dry_run.search import parse_pins
+from titan_simple.dry_run.search_printout import format_search
+from titan_simple.errors import ConfigError
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 SEARCH = ("--config", "llama3_debug.toml", "--dry_run.world_size", "8", "--dry_run.device", "h100",

@@ -1,4 +1,4 @@
-"""Fault-tolerant replica groups (titan_simple/train/fault_tolerance.py, scripts/fault_tolerance.py).
+"""Fault-tolerant replica groups (titan_simple/trainer/fault_tolerance.py, scripts/fault_tolerance.py).
 
 The slow cases run the real thing: a torchft lighthouse and two replica groups of two torchrun processes each
 (debug model, gloo), with failures rehearsed by scripts/fault_tolerance.py --kill (a group stops at a step and
@@ -26,10 +26,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.distributed_utils import free_port, single_rank_process_group
 from tests.parity import COMPILED_RTOL, EAGER_RTOL, SHARDED_NORM_RTOL, max_rel_diff
 from titan_simple.config import load_job_config
+from titan_simple.core.plan import resolve_plan
 from titan_simple.errors import ConfigError
 from titan_simple.parallel.dims import ParallelDims
 from titan_simple.parallel.simple_fsdp import data_parallel
-from titan_simple.train.fault_tolerance import (
+from titan_simple.trainer.fault_tolerance import (
     FAILURE_ENV,
     REPLICA_NCCL_ERROR_HANDLING,
     FailureInjection,
@@ -37,9 +38,8 @@ from titan_simple.train.fault_tolerance import (
     check_reachable,
     replica_nccl_group_class,
 )
-from titan_simple.train.metrics import LIVE_GROUPS, _format_console_line
-from titan_simple.train.plan import resolve_plan
-from titan_simple.train.replica_state import GradientBuckets, Progress, ReplicaState, recovery_timeout, state_bytes
+from titan_simple.trainer.metrics import LIVE_GROUPS, _format_console_line
+from titan_simple.trainer.replica_state import GradientBuckets, Progress, ReplicaState, recovery_timeout, state_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN_ENV = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
@@ -490,7 +490,7 @@ def test_compiled_groups_match_the_plain_run_and_rejoin_bitwise(tmp_path, plain_
 
 def test_fault_tolerance_off_builds_no_replica_groups(tmp_path):
     """The default job's step never reaches torchft: no manager, the plain step (losses bitwise as before)."""
-    from titan_simple.train.trainer import Trainer
+    from titan_simple.trainer.trainer import Trainer
 
     config = load_job_config([*TINY, "--training.steps", "1", "--job.dump_folder", str(tmp_path)])
     trainer = Trainer(config)

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from tests.distributed_utils import run_on_ranks
 from tests.parity import Recipe, build_layout, max_rel_diff, train_reference, train_steps
 from titan_simple.config import load_job_config
+from titan_simple.core.plan import resolve_plan
 from titan_simple.errors import ConfigError
 from titan_simple.models import float8 as float8_module
 from titan_simple.models.float8 import Float8Targets, convert_to_float8, float8_problem, float8_targets
@@ -35,7 +36,6 @@ from titan_simple.parallel.activation_checkpoint import (
     is_float8_scaling,
 )
 from titan_simple.parallel.tensor_parallel import local_linear_shape
-from titan_simple.train.plan import resolve_plan
 
 pytest.importorskip("torchao.float8")
 

@@ -18,10 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.distributed_utils import run_on_ranks
 from tests.parity import Recipe, build_layout, max_rel_diff, train_steps
+from titan_simple.compile.compiler import comm_plan_recorders
+from titan_simple.core.plan import resolve_plan
 from titan_simple.parallel import activation_checkpoint
-from titan_simple.parallel.compile import comm_plan_recorders
 from titan_simple.parallel.float8_gather import refresh_float8_weights
-from titan_simple.train.plan import resolve_plan
 
 pytest.importorskip("torchao.float8")
 

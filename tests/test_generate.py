@@ -16,7 +16,7 @@ from titan_simple.config import load_job_config
 from titan_simple.data.tokenizer import Tokenizer
 from titan_simple.generate import generate, load_model_for_generation, sample_next_token
 from titan_simple.models.llama3 import KVCache, build_model
-from titan_simple.train.trainer import Trainer
+from titan_simple.trainer.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 4

@@ -17,8 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from titan_simple.train.distributed import DistInfo, init_process_group
-from titan_simple.train.metrics import (
+from titan_simple.core.device_peaks import peak_tflops_for_device_name
+from titan_simple.trainer.distributed import DistInfo, init_process_group
+from titan_simple.trainer.metrics import (
     CUDA_MAX_ACTIVE_GIB,
     CUDA_MAX_ACTIVE_PERCENT,
     CUDA_MAX_RESERVED_GIB,
@@ -28,7 +29,6 @@ from titan_simple.train.metrics import (
     MFU,
     PEAK_RSS_GIB,
     TFLOPS,
-    peak_tflops_for_device_name,
 )
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
@@ -198,7 +198,7 @@ def test_processes_default_to_every_gpu_or_two_on_cpu():
 
 
 def test_the_trainer_binds_each_rank_to_its_gpu_with_arguments_torch_accepts(monkeypatch):
-    """What train/distributed.py (the path gpu_check's first row runs) does on CUDA, with torch's functions
+    """What trainer/distributed.py (the path gpu_check's first row runs) does on CUDA, with torch's functions
     recorded instead of called; the arguments must bind to torch 2.13's real init_process_group signature."""
     calls = {}
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: calls.setdefault("set_device", device))
@@ -248,7 +248,7 @@ def test_compiled_against_eager_tolerances_are_bf16_on_gpus_and_fp32_on_cpu():
 
 
 def cuda_memory_metrics(active: float, reserved: float) -> dict[str, float]:
-    """What MemoryMonitor.read() returns on CUDA (train/metrics.py, _read_cuda), for an 80 GiB GPU."""
+    """What MemoryMonitor.read() returns on CUDA (trainer/metrics.py, _read_cuda), for an 80 GiB GPU."""
     return {CUDA_MAX_ACTIVE_GIB: active, CUDA_MAX_ACTIVE_PERCENT: 100 * active / 80,
             CUDA_MAX_RESERVED_GIB: reserved, CUDA_MAX_RESERVED_PERCENT: 100 * reserved / 80,
             CUDA_NUM_ALLOC_RETRIES: 0.0, CUDA_NUM_OOMS: 0.0}

@@ -35,8 +35,8 @@ from titan_simple.generate import load_model_for_generation
 from titan_simple.models.hf_llama import model_args_from_hf, read_hf_config, save_hf
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, Transformer, build_model
 from titan_simple.models.rope import LLAMA31_ROPE
-from titan_simple.train.checkpoint import load_model_weights
-from titan_simple.train.trainer import Trainer
+from titan_simple.trainer.checkpoint import load_model_weights
+from titan_simple.trainer.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 LENGTHS = (128, 4096)

@@ -8,7 +8,7 @@ import torch
 
 from tests.distributed_utils import run_on_ranks
 from tests.parity import Recipe, build_layout, max_grad_diff, max_rel_diff, train_steps
-from titan_simple.train.loss import chunked_cross_entropy_sum, cross_entropy_sum
+from titan_simple.core.loss import chunked_cross_entropy_sum, cross_entropy_sum
 
 RTOL = 1e-6  # fp32: loss and gradients of the chunked loss against the plain one
 
@@ -100,7 +100,7 @@ def test_chunked_loss_with_loss_parallel_and_on_the_last_pipeline_stage():
 @pytest.mark.parametrize("chunks", [None, 1, 4])
 def test_deterministic_mode_gives_the_same_losses_and_gradients(chunks):
     """``[training] deterministic`` (torch.use_deterministic_algorithms): the plain and the chunked loss run and
-    give what they give without it, to 1e-6 in fp32 (on CPU; the CUDA kernels are discussed in train/loss.py)."""
+    give what they give without it, to 1e-6 in fp32 (on CPU; the CUDA kernels are discussed in core/loss.py)."""
     expected = _loss_and_grads(_eager, chunks)
     torch.use_deterministic_algorithms(True)
     try:

@@ -16,8 +16,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from tests.distributed_utils import single_rank_process_group
-from titan_simple.train import metrics as metrics_module
-from titan_simple.train.metrics import (
+from titan_simple.core.device_peaks import PEAK_BF16_TFLOPS, peak_flops_per_second, peak_tflops_for_device_name
+from titan_simple.trainer import metrics as metrics_module
+from titan_simple.trainer.metrics import (
     AVG_LOSS,
     CUDA_MAX_ACTIVE_GIB,
     CUDA_MAX_ACTIVE_PERCENT,
@@ -32,7 +33,6 @@ from titan_simple.train.metrics import (
     LR,
     MAX_LOSS,
     MFU,
-    PEAK_BF16_TFLOPS,
     PEAK_RSS_GIB,
     PEAK_RSS_SINCE_START_GIB,
     TFLOPS,
@@ -43,8 +43,6 @@ from titan_simple.train.metrics import (
     compute_throughput,
     eta_seconds,
     global_avg_and_max,
-    peak_flops_per_second,
-    peak_tflops_for_device_name,
 )
 
 GIB = 1024**3
@@ -276,7 +274,7 @@ def test_logger_writes_jsonl_tensorboard_and_a_console_line(tmp_path, caplog):
         assert [s.step for s in scalars] == [1, 10, 20]
         assert [s.value for s in scalars] == pytest.approx([logged[s][tag] for s in (1, 10, 20)], rel=1e-6)
 
-    console = [r.getMessage() for r in caplog.records if r.name == "titan_simple.train.metrics"]
+    console = [r.getMessage() for r in caplog.records if r.name == "titan_simple.trainer.metrics"]
     assert console[1] == (
         "step  10/100 | loss 1.0000 | grad_norm 15 | lr 1.00e-03 | tps 12,355 | tflops 1.25 | mfu 50.0% | "
         "rss 1.50GiB | data 4.0% | eta 0:01:23"
@@ -317,7 +315,7 @@ def test_timestamped_tensorboard_folder_without_a_run_name(tmp_path):
 
 
 def test_a_float8_runs_step_line_says_which_peak_its_mfu_is_against():
-    from titan_simple.train.metrics import _format_console_line
+    from titan_simple.trainer.metrics import _format_console_line
 
     metrics = {AVG_LOSS: 5.0, MFU: 52.5}
     assert "mfu 52.5% (float8 run, of the bf16 peak)" in _format_console_line(

@@ -14,8 +14,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from tests.distributed_utils import single_rank_process_group
+from titan_simple.core.optim import WarmupStableDecay, build_lr_scheduler, build_optimizer
 from titan_simple.errors import ConfigError
-from titan_simple.train.optim import WarmupStableDecay, build_lr_scheduler, build_optimizer
 
 # ------------------------------------------------------------------------------------------ schedule
 

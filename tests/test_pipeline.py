@@ -1,8 +1,8 @@
 """Pipeline parallel: stage planning and placement, the config checks, stage init, and parity with one process.
 
 The parity runs build and train the model with the trainer's own code (``tests/parity.py``:
-``train.build.build_model_parts`` -> ``build_pipeline``: split the meta model, ``parallelize_llama`` each stage,
-``materialize_and_init``, PipelineStage + schedule; ``train.step.PipelineStep``) and train the debug model
+``core.build.build_model_parts`` -> ``build_pipeline``: split the meta model, ``parallelize_llama`` each stage,
+``materialize_and_init``, PipelineStage + schedule; ``core.step.PipelineStep``) and train the debug model
 (4 layers, fp32) for 10 AdamW steps on a fixed global batch per step, clipping over all stages. The reference is
 the same recipe on one process without pipelining. Two spawned jobs run all multi-process checks, so processes
 start and compilations happen once per job: 2 ranks (pp2 with every schedule eager, 1F1B and ZBVZeroBubble
@@ -39,8 +39,8 @@ from titan_simple.models.llama3 import build_model
 from titan_simple.parallel.clip_grad import clip_grad_norm_
 from titan_simple.parallel.pipeline import PipelinePlan, plan_pipeline, split_stage
 from titan_simple.parallel.sharded_init import materialize_and_init
-from titan_simple.train.distributed import DistInfo
-from titan_simple.train.trainer import Trainer
+from titan_simple.trainer.distributed import DistInfo
+from titan_simple.trainer.trainer import Trainer
 
 FLAVOR = "debugmodel"
 N_LAYERS = 6  # the planning checks' model

@@ -1,4 +1,4 @@
-"""The run plan (``train/plan.py``): every derived decision in one place, used by everything that builds a step.
+"""The run plan (``core/plan.py``): every derived decision in one place, used by everything that builds a step.
 
 The structural tests read the source: each decision has exactly one function, only the resolver calls it, and
 no module reads a decision's config key to decide again. The package layers point one way and no module
@@ -15,12 +15,12 @@ import pytest
 import torch
 
 from titan_simple.config import load_job_config
+from titan_simple.core.plan import resolve_plan
 from titan_simple.errors import ConfigError
-from titan_simple.train.plan import resolve_plan
 
 REPO = Path(__file__).resolve().parent.parent
-PLAN_FILE = REPO / "titan_simple" / "train" / "plan.py"
-# Every derived decision's function (in train/plan.py, the model's in models/from_config.py); resolve_plan is the
+PLAN_FILE = REPO / "titan_simple" / "core" / "plan.py"
+# Every derived decision's function (in core/plan.py, the model's in models/from_config.py); resolve_plan is the
 # only caller outside tests.
 DECISIONS = (
     "model_args_for", "plan_pipeline", "accumulation_steps", "choose_gather_mode", "choose_precision",
@@ -39,8 +39,10 @@ DECISION_KEYS = {
     "compile": {"enable", "bucketing", "reorder", "backend", "manual_bucketed_modules"},
 }
 # Lower layers first; a module may import only from its own package or a lower layer.
-LAYERS = {"errors": 0, "config": 1, "models": 2, "data": 3, "parallel": 3, "train": 4, "planning": 5,
-          "generate": 5}
+# The core (plan, build, step) sits on the parallelisms and the compiler; the trainer and the dry run are siblings
+# above it that import only the core and below.
+LAYERS = {"errors": 0, "config": 1, "models": 2, "data": 3, "parallel": 3, "compile": 4, "core": 5, "trainer": 6,
+          "dry_run": 6, "generate": 7}
 
 
 def _sources() -> dict[Path, ast.Module]:
@@ -141,12 +143,12 @@ def test_package_modules_stay_under_500_lines():
     assert long == {}
 
 
-# The assembly (plan -> mesh -> parts -> optimizer -> step) is written once, in train/assemble.py; everything
+# The assembly (plan -> mesh -> parts -> optimizer -> step) is written once, in core/assemble.py; everything
 # that builds a run (the trainer, the dry run, the search workers, the parity tests, the scripts) calls build_run.
 ASSEMBLY_STEPS = ("build_model_parts", "build_train_step", "optimizer_from_config")
-ASSEMBLY_FILE = REPO / "titan_simple" / "train" / "assemble.py"
+ASSEMBLY_FILE = REPO / "titan_simple" / "core" / "assemble.py"
 # Feature modules the step must not import: a feature reaches the step as a StepFeature the assembly installs.
-FEATURE_MODULES = ("titan_simple.train.fault_tolerance", "titan_simple.parallel.float8_gather",
+FEATURE_MODULES = ("titan_simple.trainer.fault_tolerance", "titan_simple.parallel.float8_gather",
                    "titan_simple.models.float8")
 
 
@@ -160,12 +162,12 @@ def test_the_assembly_is_written_once_and_everything_calls_it():
                 callers[_called_name(node)].add(str(path.relative_to(REPO)))
     assert {name: callers[name] for name in ASSEMBLY_STEPS} == {
         name: {str(ASSEMBLY_FILE.relative_to(REPO))} for name in ASSEMBLY_STEPS}
-    assert {"titan_simple/train/trainer.py", "titan_simple/planning/rank_trace.py", "titan_simple/planning/measure.py",
+    assert {"titan_simple/trainer/trainer.py", "titan_simple/dry_run/rank_step.py", "titan_simple/dry_run/cpu_check.py",
             "tests/parity.py", "scripts/gpu_check.py", "scripts/measure_memory.py"} <= callers["build_run"]
 
 
 def test_the_step_imports_no_feature_module():
-    step = REPO / "titan_simple" / "train" / "step.py"
+    step = REPO / "titan_simple" / "core" / "step.py"
     imported = {node.module for node in ast.walk(ast.parse(step.read_text())) if isinstance(node, ast.ImportFrom)}
     assert imported.isdisjoint(FEATURE_MODULES)
 
@@ -224,7 +226,7 @@ REGIONAL = ("--compile.enable", "--compile.regional")
     (2, ("--compile.enable",), False),  # whole-model compile
 ])
 def test_regional_hand_off_where_it_can_hide_something(world, overrides, handoff):
-    """Regional compilation's hand-off (parallel/regions.py): each region gathers the next one's first weights,
+    """Regional compilation's hand-off (compile/regions.py): each region gathers the next one's first weights,
     only where SimpleFSDP gathers them per microbatch, reordered, in one pipeline stage."""
     assert resolve_plan(_config(*overrides), world, "cpu").compile.region_handoff is handoff
 
@@ -249,7 +251,7 @@ def test_steps_built_by_the_parity_helper_and_the_dry_run_use_the_trainers_autoc
     The parity helper and the dry run build their step from the same plan, so they get it too (and the
     trainer's loss): the model's matmuls compute in bf16 although the weights are fp32."""
     from tests.parity import build_layout
-    from titan_simple.planning import rank_trace
+    from titan_simple.dry_run import rank_step
 
     config = _config("--training.mixed_precision_param=bfloat16", "--model.flavor=debugmodel")
     layout = build_layout(config)
@@ -266,9 +268,9 @@ def test_steps_built_by_the_parity_helper_and_the_dry_run_use_the_trainers_autoc
     assert torch.isfinite(result.loss_sum)
 
     built = []
-    real = rank_trace.build_run
-    monkeypatch.setattr(rank_trace, "build_run", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
-    rank_trace.trace_rank(resolve_plan(config, 1, "cpu"), None)
+    real = rank_step.build_run
+    monkeypatch.setattr(rank_step, "build_run", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    rank_step.trace_rank(resolve_plan(config, 1, "cpu"), None)
     (step,) = [run.step for run in built]
     assert step.plan.precision.autocast_dtype == torch.bfloat16
     traced_context = step.autocast()

@@ -19,11 +19,11 @@ from torch import nn
 
 from tests.distributed_utils import run_on_ranks
 from titan_simple.config import Profiling, load_job_config
+from titan_simple.core.plan import resolve_plan
 from titan_simple.errors import ConfigError
-from titan_simple.train import profiling
-from titan_simple.train.plan import resolve_plan
-from titan_simple.train.profiling import Profiler
-from titan_simple.train.trainer import Trainer
+from titan_simple.trainer import profiling
+from titan_simple.trainer.profiling import Profiler
+from titan_simple.trainer.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -199,7 +199,7 @@ def _freed_on(thread: str) -> list[int]:
 def test_torch_still_misses_frees_made_on_other_threads():
     """The root cause of the refusal above: a free on a thread without the profiler's state is not recorded,
     and gloo's worker threads free the tensors their collectives hold. When this fails, torch records such
-    frees: try the README's 2-process memory timeline and lift ``check_profiling``'s refusal (train/plan.py)."""
+    frees: try the README's 2-process memory timeline and lift ``check_profiling``'s refusal (core/plan.py)."""
     assert _freed_on("main") == [49_380, -49_380]
     assert _freed_on("another thread") == [49_380]  # the free is lost
 
@@ -224,7 +224,7 @@ def test_cpu_memory_timeline_on_two_processes_is_refused_in_one_line_at_start(tm
 FAILING_EXPORT = """
 import torch
 from titan_simple.config import Profiling
-from titan_simple.train.profiling import Profiler
+from titan_simple.trainer.profiling import Profiler
 
 def disk_full(self, path):
     raise OSError(28, "No space left on device", path)

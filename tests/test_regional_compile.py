@@ -38,10 +38,10 @@ from tests.inductor_code import overlap_in_generated_code
 from tests.parity import COMPILED_RTOL, SHARDED_NORM_RTOL, build_layout, max_rel_diff, train_steps
 from tests.test_pipeline import RECIPE as PIPELINE_RECIPE
 from tests.test_pipeline import assert_parity, job_config
+from titan_simple.compile.compiler import comm_plan_recorders
+from titan_simple.compile.regions import EMBEDDING, HANDOFF, bucket_modules, region_bucket_plan
 from titan_simple.config import load_job_config
 from titan_simple.errors import ConfigError
-from titan_simple.parallel.compile import comm_plan_recorders
-from titan_simple.parallel.regions import EMBEDDING, HANDOFF, bucket_modules, region_bucket_plan
 
 # test_pipeline's recipe with the debug model's 6 blocks: 3 regions of 2, so that a middle region sits between the
 # first and the last (the parity files train fewer blocks).

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from titan_simple.train.checkpoint_files import complete_steps
-from titan_simple.train.run_status import RunStatus, read_run_status
+from titan_simple.trainer.checkpoint_files import complete_steps
+from titan_simple.trainer.run_status import RunStatus, read_run_status
 
 REPO = Path(__file__).resolve().parent.parent
 RUN_STATUS = REPO / "scripts" / "run_status.py"
@@ -202,7 +202,7 @@ def test_a_signal_to_torchrun_stops_with_a_checkpoint_and_a_stopped_status(tmp_p
 RAISING_RANK = """
 import runpy, sys
 sys.path.insert(0, {repo!r})
-from titan_simple.train.trainer import Trainer
+from titan_simple.trainer.trainer import Trainer
 
 def train_step(self, batches):
     if self.dist.rank == 1 and self.step == 3:

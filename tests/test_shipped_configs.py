@@ -23,8 +23,8 @@ import pytest
 from tests.distributed_utils import run_on_ranks
 from tests.parity import Recipe, build_layout, max_grad_diff, max_rel_diff, train_steps
 from titan_simple.config import load_job_config
+from titan_simple.core.plan import resolve_plan
 from titan_simple.errors import ConfigError
-from titan_simple.train.plan import resolve_plan
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DEBUG_SCALE = ("--model.flavor=debugmodel", "--model.tokenizer_path=assets/tokenizer/shakespeare_bpe_2k.json",

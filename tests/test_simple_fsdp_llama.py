@@ -1,13 +1,13 @@
 """SimpleFSDP on the real Llama 3 debug model, built and trained by the trainer's own code: the same training as
 one process.
 
-Each layout is built by ``train.build.build_model_parts`` (meta device -> ``parallelize_llama`` -> SimpleFSDP or
+Each layout is built by ``core.build.build_model_parts`` (meta device -> ``parallelize_llama`` -> SimpleFSDP or
 FSDP2, optionally ``--compile.enable``: Inductor, whole model, fullgraph -> ``materialize_and_init``) and trained by
-``train.step``'s step object, through ``tests/parity.py``: exactly what ``Trainer`` runs.
+``core.step``'s step object, through ``tests/parity.py``: exactly what ``Trainer`` runs.
 fp32, 2 blocks, 10 AdamW steps (lr 3e-3, clipping at 1.0: active at every step, the norms are 1.01 to 1.02). Each
 data-parallel rank trains on its slice (along the batch dim, by its index in the flattened dp mesh) of a
 fixed global batch of 4 x 64 random tokens, a different one per step; the loss is the summed cross-entropy
-over the global token count (times the dp degree for FSDP2, which averages), as in ``train/step.py``.
+over the global token count (times the dp degree for FSDP2, which averages), as in ``core/step.py``.
 The single-process reference is the same recipe with world size 1 (nothing wrapped, eager), computed once.
 
 Two spawned jobs run all multi-process checks, so processes start once per job: 2 ranks (fully_shard and

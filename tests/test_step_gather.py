@@ -18,12 +18,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.distributed_utils import run_on_ranks
 from tests.parity import COMPILED_RTOL, EAGER_RTOL, Recipe, build_layout, max_rel_diff, train_reference
 from titan_simple.config import load_job_config
+from titan_simple.core.plan import choose_gather_mode
 from titan_simple.errors import ConfigError
 from titan_simple.parallel import step_gather
 from titan_simple.parallel.dims import ParallelDims
 from titan_simple.parallel.simple_fsdp import MixedPrecisionPolicy, chunk_rows, data_parallel
 from titan_simple.parallel.step_gather import StepGather
-from titan_simple.train.plan import choose_gather_mode
 
 STEPS = 4  # steps 2-4 run on Adam's state and the gathered weights of updated shards
 N_LAYERS = 4  # debug model blocks: 2 per pipeline stage

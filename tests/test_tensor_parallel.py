@@ -3,8 +3,8 @@ one process, alone and composed with SimpleFSDP, eager and compiled, under every
 mode; the layout of its parameters and gradients; its checks against the model.
 
 Every layout is built and trained by the trainer's own code through ``tests/parity.py``
-(``train.build.build_model_parts``: meta device -> ``parallelize_llama`` -> ``materialize_and_init``, whose
-``layout_invariant_init`` draws each whole parameter from its own seed; ``train.step``'s step object: the summed
+(``core.build.build_model_parts``: meta device -> ``parallelize_llama`` -> ``materialize_and_init``, whose
+``layout_invariant_init`` draws each whole parameter from its own seed; ``core.step``'s step object: the summed
 cross-entropy under ``loss_parallel_context`` when the logits are vocab-sharded, over the global token count,
 clipping, AdamW). Each data-parallel rank trains on its slice (along the batch dim) of one fixed global batch per
 step, and all TP ranks of a dp group read the same slice. The single-process reference is the same recipe with
@@ -30,13 +30,13 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from tests.distributed_utils import run_on_ranks
 from tests.parity import SHARDED_NORM_RTOL, Recipe, build_layout, full_tensor, max_rel_diff, train_steps
 from tests.parity import assert_parity as check_parity
+from titan_simple.compile.compiler import comm_plan_recorders
+from titan_simple.core.plan import uses_loss_parallel
 from titan_simple.errors import ConfigError
 from titan_simple.models.llama3 import LLAMA3_FLAVORS
-from titan_simple.parallel.compile import comm_plan_recorders
 from titan_simple.parallel.dims import ParallelDims, validate_parallelism
-from titan_simple.train.distributed import DistInfo
-from titan_simple.train.plan import uses_loss_parallel
-from titan_simple.train.trainer import Trainer
+from titan_simple.trainer.distributed import DistInfo
+from titan_simple.trainer.trainer import Trainer
 
 FLAVOR = "debugmodel"
 SEQ_LEN = 64

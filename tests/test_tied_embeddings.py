@@ -21,13 +21,13 @@ from tests.distributed_utils import run_on_ranks
 from tests.parity import COMPILED_RTOL, EAGER_RTOL, SHARDED_NORM_RTOL, Recipe, assert_parity, build_layout
 from tests.test_checkpoint import assert_same_weights, full_weights, make_trainer, stop_with_sigterm_after
 from titan_simple.config import load_job_config
+from titan_simple.core.plan import resolve_plan
 from titan_simple.errors import ConfigError
 from titan_simple.models.llama3 import build_model, count_parameters
 from titan_simple.models.rope import LLAMA32_ROPE
 from titan_simple.parallel.simple_fsdp import sharded_parameters
-from titan_simple.train.checkpoint import complete_steps, read_marker
-from titan_simple.train.distributed import DistInfo
-from titan_simple.train.plan import resolve_plan
+from titan_simple.trainer.checkpoint import complete_steps, read_marker
+from titan_simple.trainer.distributed import DistInfo
 
 RECIPE = Recipe(flavor="debugmodel_tied", steps=6, extra=("--model.n_layers=2",))
 TIED = ["--model.flavor", "debugmodel_tied", "--model.n_layers", "2"]

@@ -137,8 +137,8 @@ def test_rank_local_options_are_inductor_settings_and_nothing_syncs_by_default()
 
 def test_cross_rank_compile_settings_stop_a_compiled_pipeline_run():
     from titan_simple.config import load_job_config
+    from titan_simple.core.plan import resolve_plan
     from titan_simple.errors import ConfigError
-    from titan_simple.train.plan import resolve_plan
 
     private = _private_module()
     config = load_job_config(["--parallelism.pipeline_parallel_degree=2", "--training.local_batch_size=2",
@@ -157,7 +157,7 @@ def test_analytical_estimates_need_no_other_rank():
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from tests.distributed_utils import single_rank_process_group
-    from titan_simple.parallel.cpu_cost_model import cpu_roofline
+    from titan_simple.compile.cpu_cost_model import cpu_roofline
 
     private = _private_module()
     with single_rank_process_group():

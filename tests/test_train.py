@@ -12,9 +12,9 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from titan_simple.config import load_job_config
+from titan_simple.core.step import StepHooks
 from titan_simple.errors import NonFiniteTraining
-from titan_simple.train.step import StepHooks
-from titan_simple.train.trainer import Trainer
+from titan_simple.trainer.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = ["--training.steps", "6", "--training.seq_len", "64", "--training.local_batch_size", "2",

@@ -20,9 +20,9 @@ from titan_simple.data import Tokenizer, build_dataloader
 from titan_simple.data.datasets import shakespeare_files
 from titan_simple.errors import ConfigError
 from titan_simple.models.llama3 import build_model
-from titan_simple.train.distributed import DistInfo
-from titan_simple.train.metrics import StepTimer
-from titan_simple.train.trainer import Trainer
+from titan_simple.trainer.distributed import DistInfo
+from titan_simple.trainer.metrics import StepTimer
+from titan_simple.trainer.trainer import Trainer
 
 SEQ_LEN = 64
 LOCAL_BATCH = 2

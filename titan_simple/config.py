@@ -492,7 +492,7 @@ class DryRun:
     gpus_per_node: int = option(8, "GPUs per node of the planned cluster: tensor parallel stays inside a node.")
     full_trace: bool = option(
         False, "Trace every transformer block instead of 2 and 3 blocks per pipeline stage carried to the full "
-        "depth (the same numbers to float rounding, several times slower; planning/depth.py)."
+        "depth (the same numbers to float rounding, several times slower; dry_run/extrapolation.py)."
     )
 
 
@@ -790,7 +790,7 @@ def validate(config: JobConfig) -> None:
 
 
 def _validate_fault_tolerance(config: JobConfig) -> None:
-    """The keys on their own; the checks against the layout and the lighthouse live in train/fault_tolerance.py."""
+    """The keys on their own; the checks against the layout and the lighthouse live in trainer/fault_tolerance.py."""
     ft = config.fault_tolerance
     if not ft.enable:
         return

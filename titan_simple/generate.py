@@ -21,7 +21,7 @@ from titan_simple.errors import ConfigError
 from titan_simple.models.from_config import model_args_for, model_name
 from titan_simple.models.hf_llama import check_hf_config, is_hf_folder
 from titan_simple.models.llama3 import KVCache, Transformer
-from titan_simple.train.checkpoint import load_model_weights
+from titan_simple.trainer.checkpoint import load_model_weights
 
 # ------------------------------------------------------------------------------------------ loading
 
@@ -43,7 +43,7 @@ def load_model_for_generation(
     init when ``checkpoint`` is None.
 
     ``checkpoint``: a DCP ``step-N`` folder, a checkpoint folder (its newest complete step) or a Hugging Face
-    Llama folder (config.json + safetensors), as ``train.checkpoint.load_model_weights`` reads them. A Hugging
+    Llama folder (config.json + safetensors), as ``trainer.checkpoint.load_model_weights`` reads them. A Hugging
     Face folder whose config.json computes another function than the config's model is refused (ConfigError)
     before anything is built. ``max_seq_len`` sizes the RoPE table (default: ``[training] seq_len``); positions
     past the trained length run but are outside what the model has learnt.

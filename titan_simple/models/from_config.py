@@ -1,6 +1,6 @@
 """The model a job config describes -- a flavor, or a Hugging Face folder's config.json (``[model] hf_config``) --
 and the checks that need only the config and the files it names, run while the plan is resolved
-(``train/plan.py``), before anything is built."""
+(``core/plan.py``), before anything is built."""
 
 from __future__ import annotations
 

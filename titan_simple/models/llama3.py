@@ -300,7 +300,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
         # What training runs instead of the embedding, blocks, norm and output, when set: consecutive blocks
         # grouped into compiled regions, the first preceded by the embedding and the last followed by the norm
-        # and output where this model (stage) has them (parallel/regions.py, regional compilation). A plain
+        # and output where this model (stage) has them (compile/regions.py, regional compilation). A plain
         # object, outside the module tree.
         self.block_regions: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
@@ -352,7 +352,7 @@ class Transformer(nn.Module):
             raise ValueError(f"sequence length {end} exceeds the KV cache's max_len {cache.max_len}")
         freqs_cis = self.freqs_cis[start:end]
         if cache is None and self.block_regions is not None:
-            # Regional compilation (parallel/regions.py): the regions run the embedding, the blocks, the final
+            # Regional compilation (compile/regions.py): the regions run the embedding, the blocks, the final
             # norm and the output projection.
             return self.block_regions(tokens, freqs_cis)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens

@@ -96,7 +96,7 @@ class ParallelDims:
 
     def process_groups(self, mesh: DeviceMesh | None) -> list[ProcessGroup]:
         """This rank's process group of every mesh dimension (and of the flattened ``dp``), each once: what the
-        run's collectives use besides the default group (``train/distributed.py`` sets their timeouts)."""
+        run's collectives use besides the default group (``trainer/distributed.py`` sets their timeouts)."""
         if mesh is None:
             return []
         names = list(self.enabled_dims)

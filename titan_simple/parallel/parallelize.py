@@ -44,7 +44,7 @@ class Compiles(Protocol):
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """What the recipe applies to a model (or a pipeline stage). Decided once per run by ``train/plan.py``;
+    """What the recipe applies to a model (or a pipeline stage). Decided once per run by ``core/plan.py``;
     nothing here reads the config."""
 
     dims: ParallelDims

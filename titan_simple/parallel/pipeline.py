@@ -1,6 +1,6 @@
 """Pipeline parallel: split the model into stages by layers, place them on the pp ranks, run a schedule.
 
-    plan = plan_pipeline(config, n_layers, pp)            # pure: checks the config (called by train/plan.py)
+    plan = plan_pipeline(config, n_layers, pp)            # pure: checks the config (called by core/plan.py)
     run = build_pipeline(model, mesh, plan, parallel_plan, device, seed=0, loss_fn=loss_fn)
     loss_sum = run.step(inputs, labels, loss_scale)       # forward + backward of one local batch
 
@@ -21,7 +21,7 @@ A stage compiles whole (its collectives in one graph), except under the zero-bub
 (InterleavedZeroBubble, ZBVZeroBubble): they split each backward into an input part and a weight part by
 walking the autograd graph, and through a whole compiled stage that gave wrong weight gradients (some 0; torch
 2.13 refuses only a stage that is an ``OptimizedModule``, not one compiled in place). There each block
-compiles on its own (``CompilePlan.mode = "per_block"``, decided in ``train/plan.py``): a compiled block is
+compiles on its own (``CompilePlan.mode = "per_block"``, decided in ``core/plan.py``): a compiled block is
 one autograd node, so its backward runs in the input phase and again in the weight phase (correct; the weight
 gradients are computed twice), and it must be compiled without donated buffers, which forbid a second
 backward.
@@ -32,7 +32,7 @@ a stage gets exactly the values the whole model gets, whichever modules come bef
 
 **Loss.** The schedule splits the local batch into ``local_batch_size / microbatch_size`` microbatches along
 dim 0, calls the loss function per microbatch on the last stage and backpropagates each; the gradients add
-up. The loss function is the training loss (``train/loss.py``), given to ``build_pipeline``: ``summed
+up. The loss function is the training loss (``core/loss.py``), given to ``build_pipeline``: ``summed
 cross-entropy x loss_scale`` with ``loss_scale = 1 / global tokens`` (the
 trainer's scaling), and the schedule's own 1/n_microbatches scaling is off (``scale_grads=False``): the sum over
 microbatches and dp ranks is then exactly the single-process gradient.
@@ -66,7 +66,7 @@ SINGLE_STAGE_SCHEDULES = frozenset({"GPipe", "1F1B"})
 # Schedules that split each backward into input and weight gradients by walking the autograd graph.
 ZERO_BUBBLE_SCHEDULES = frozenset({"InterleavedZeroBubble", "ZBVZeroBubble"})
 V_SCHEDULES = frozenset({"ZBVZeroBubble"})
-# (output, labels, loss_scale) -> the scaled loss of one microbatch (train/loss.py).
+# (output, labels, loss_scale) -> the scaled loss of one microbatch (core/loss.py).
 LossFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 

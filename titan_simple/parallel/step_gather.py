@@ -27,7 +27,7 @@ DTensor calls on plain tensors, so the traffic is counted and traced like Simple
 Memory: per rank, the unsharded weights of its model part (``param_dtype``) and their gradients (``reduce_dtype``)
 live from ``gather`` to ``reduce``. Under pipeline parallel that is a stage (1/pp of the model, 1/tp of it
 under tensor parallel); without pipeline parallel the whole model, which is what FSDP exists to avoid, hence
-``[parallelism] fsdp_gather = "auto"`` chooses it only under pipeline parallel (``train/plan.py``).
+``[parallelism] fsdp_gather = "auto"`` chooses it only under pipeline parallel (``core/plan.py``).
 """
 
 from __future__ import annotations

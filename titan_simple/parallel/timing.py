@@ -1,6 +1,6 @@
 """Timing primitives: how long a matmul, a copy and an all-gather take on this machine, and the slowest rank's
-figures. They sit here, below ``planning/``, because ``cpu_cost_model.py`` calibrates Inductor's CPU runtime
-model with them in every compiling process; ``planning/measuring.py`` re-exports them for the dry run's checks
+figures. They sit here, below ``dry_run/``, because ``cpu_cost_model.py`` calibrates Inductor's CPU runtime
+model with them in every compiling process; ``dry_run/probes.py`` re-exports them for the dry run's checks
 and ``scripts/`` (its docstring lists who uses which). Each caller keeps its own method (sizes, repetitions,
 mean or median or least, barriers or not); only the pieces are here.
 """

@@ -3,8 +3,8 @@ this one.
 
 A private API may change in any torch release, with no deprecation. With all of them here, a torch upgrade has
 one file to fix. ``tests/test_torch_private.py`` checks every entry of ``PRIVATE_APIS`` and names any that is
-missing. Outside ``parallel/``, the dry run (``planning/trace.py``, ``planning/fake_pg.py``; guarded by
-``tests/test_dry_run.py``) and CUDA memory snapshots (``train/profiling.py``; ``tests/test_profiling.py``) have
+missing. Outside ``parallel/``, the dry run (``dry_run/tracer.py``, ``dry_run/fake_pg.py``; guarded by
+``tests/test_dry_run.py``) and CUDA memory snapshots (``trainer/profiling.py``; ``tests/test_profiling.py``) have
 their own private APIs and guards.
 
 A private name that is simply used as is gets re-exported here under a name without the underscore.
@@ -96,7 +96,7 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
      "cross_rank_compile_settings: the partitioner's all_gather_object over all ranks"),
     (inductor_comms_config, "runtime_estimations_align_across_all_distributed_ranks",
      "cross_rank_compile_settings: the scheduler's all_gather_object over all ranks"),
-    (c10d, "_set_pg_timeout", "set_process_group_timeout (train/distributed.py): the training timeout"),
+    (c10d, "_set_pg_timeout", "set_process_group_timeout (trainer/distributed.py): the training timeout"),
     (c10d, "ProcessGroupGloo", "use_one_gloo_worker_thread: the name gloo backends are built from"),
     (c10d, "_new_process_group_helper", "use_one_gloo_worker_thread: wrapped; builds every process group"),
     (torch.distributed.ProcessGroupGloo, "_Options", "use_one_gloo_worker_thread: gloo's options with threads"),
@@ -131,10 +131,10 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
     (DeviceMesh, "_get_root_mesh", "simple_fsdp.py: the world mesh a dp mesh was sliced from (dp x tp)"),
     (placement_types, "_StridedShard",
      "simple_fsdp.py: the dp placement of a TP-sharded dim (the only spelling in torch 2.13)"),
-    (torch._dynamo.utils, "counters", "compile_cache.py: the FX graph cache's hit / miss / bypass counts"),
-    (cache_dir_utils, "cache_dir", "compile_cache.py: the folder torch's compile caches use"),
-    (inductor_config, "fx_graph_cache", "compile_cache.py: whether the FX graph cache is on"),
-    (cache_dir_utils, "default_cache_dir", "compile_cache.py: tells torch's default folder from the user's"),
+    (torch._dynamo.utils, "counters", "compile/cache.py: the FX graph cache's hit / miss / bypass counts"),
+    (cache_dir_utils, "cache_dir", "compile/cache.py: the folder torch's compile caches use"),
+    (inductor_config, "fx_graph_cache", "compile/cache.py: whether the FX graph cache is on"),
+    (cache_dir_utils, "default_cache_dir", "compile/cache.py: tells torch's default folder from the user's"),
     (inductor_config, "_micro_pipeline_tp",
      "async tensor parallel (compile.py): the switch of Inductor's micro-pipelined TP pass"),
     (symmetric_memory, "enable_symm_mem_for_group",
@@ -375,7 +375,7 @@ def _fix_rng_functionalization_with_opaque_saved_values() -> None:
 #   default estimator benchmarks and aligns over the world): pinned off per compile (compile.py).
 # * _functorch/partitioners.py:3479-3560 (_sync_decision_cross_ranks) and _dynamo/distributed.py:26 + convert_
 #   frame.py:1956 (enable_compiler_collectives, env TORCH_COMPILER_COLLECTIVES=1): world collectives; refused
-#   under pipeline parallel (cross_rank_compile_settings, train/plan.py).
+#   under pipeline parallel (cross_rank_compile_settings, core/plan.py).
 # * The manual path (overlap_manual_scheduling.py:220-300): ManualOverlapScheduler passes a zero estimator for
 #   every collective, skips the baseline memory pass and its run() never calls the alignment: no collective.
 # * bucketing.py:1531 (dist.get_rank of a group) and comm_analysis's group sizes are local queries.

@@ -1,0 +1,82 @@
+"""Compiled artifacts kept for the next start: where they live, and what a start reused.
+
+    folder = use_compile_cache(config_folder)      # before the first compile, once per process
+    ...the first step compiles (or loads)...
+    logger.info(describe_compile_cache(recorders)) # "compile cache: reused 2 of 2 graphs from ..." (after step 1)
+
+torch.compile already caches what it compiled: Inductor's FX graph cache (the generated code of each graph),
+AOTAutograd's cache (the forward/backward split, on top of it) and the kernels, all under
+``TORCHINDUCTOR_CACHE_DIR``. A start whose graphs and settings are the same finds them there and skips AOT
+autograd and Inductor (Dynamo still traces). Two things of ours had kept every graph out of those caches: the
+post-grad pass had no ``uuid`` and the selective-checkpoint ``context_fn`` had no ``cache_hash``
+(``compile._OverlapPass.uuid``, ``activation_checkpoint._context_fn``). Staleness is torch's to rule out: the
+cache keys hold the traced graph, the Inductor settings (our pass's uuid: its settings and source), the
+checkpoint policies' hash and the torch version, so anything that changes the graph misses.
+
+What the cache cannot give back is what our pass records while it runs: the comm plan. Each recorder keeps a
+copy of its plan under the cache folder, keyed by the run's compile fingerprint (``core/plan.py``: the model,
+layout, shapes, dtypes, checkpointing, compile settings, torch version and this package's source) and the rank;
+a start that loaded its graphs restores the plan from there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from titan_simple.compile.comm_plan import CommPlanRecorder
+from titan_simple.parallel.torch_private import (
+    compile_counters,
+    default_inductor_cache_dir,
+    graph_cache_enabled,
+    inductor_cache_dir,
+)
+
+logger = logging.getLogger(__name__)
+
+CACHE_DIR_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def use_compile_cache(folder: str) -> str:
+    """Point torch's compile caches at ``folder`` (``[compile] cache_dir``) for this process, unless the
+    environment already names one (an explicit ``TORCHINDUCTOR_CACHE_DIR`` wins); return the folder in use.
+    Must run before the first compile: torch reads the variable when it first needs the folder."""
+    explicit = os.environ.get(CACHE_DIR_VARIABLE)
+    # Importing Inductor sets the variable to torch's default when it is unset: that one is not the user's.
+    if explicit and os.path.abspath(explicit) != os.path.abspath(default_inductor_cache_dir()):
+        return os.path.abspath(explicit)
+    os.makedirs(folder, exist_ok=True)
+    os.environ[CACHE_DIR_VARIABLE] = os.path.abspath(folder)
+    return os.environ[CACHE_DIR_VARIABLE]
+
+
+def comm_plan_store(fingerprint: str, pass_uuid: str, rank: int) -> Path:
+    """Where a recorder keeps its copy of the comm plan for a later start with the same graphs."""
+    key = hashlib.sha256(f"{fingerprint}:{pass_uuid}".encode()).hexdigest()[:24]
+    return Path(inductor_cache_dir()) / "titan_simple_comm_plans" / f"{key}-rank{rank}.json"
+
+
+def describe_compile_cache(recorders: Iterable[CommPlanRecorder]) -> str:
+    """One line on what this start's compile reused, after the first step (every graph compiled or loaded by
+    then); restores the comm plans of graphs that came from the cache."""
+    counts = compile_counters()
+    hits, misses, bypasses = counts["hit"], counts["miss"], counts["bypass"]
+    restored = sum(recorder.restore() for recorder in recorders)
+    folder = os.environ.get(CACHE_DIR_VARIABLE) or inductor_cache_dir()
+    total = hits + misses + bypasses
+    if total == 0:
+        return ("compile cache: off (TORCHINDUCTOR_FX_GRAPH_CACHE=0)" if not graph_cache_enabled()
+                else "compile cache: no graph compiled")
+    if hits == total:
+        what = f"reused all {total} compiled graphs"
+    elif hits:
+        what = f"reused {hits} of {total} compiled graphs, compiled {misses + bypasses}"
+    else:
+        what = f"compiled {total} graphs"
+    if bypasses:
+        what += f" ({bypasses} not cacheable)"
+    plans = "; comm plan restored from the cache" if restored else ""
+    return f"compile cache: {what} ({folder}){plans}"

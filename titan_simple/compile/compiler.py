@@ -1,0 +1,428 @@
+"""torch.compile for SimpleFSDP models, with Inductor's collective bucketing and reordering.
+
+    compile_model(model, backend="inductor", bucketing="none", manual_plan=None, reorder=False,
+                  dump_folder=None)
+
+compiles ``model`` in place (``nn.Module.compile``), so the module tree and the state_dict names stay the same.
+The Inductor settings go through ``torch.compile(..., options=...)`` and apply to this compile only. Our
+post-grad pass (``post_grad_custom_post_pass``) runs on the forward and on the backward graph, and does:
+
+* **bucketing** (SimpleFSDP paper, section 4):
+  - ``"none"``: one all-gather / reduce-scatter per parameter, as traced;
+  - ``"transformer_block"`` / manual: Inductor's ``manual_overlap_bucketing`` gets ``manual_plan`` (one entry
+    per bucket, a module FQN or a list of FQNs; the default ``transformer_block_plan(model)`` is embeddings,
+    each block, [norm, output]). It finds each module's nodes from their ``nn_module_stack`` /
+    ``fwd_nn_module_stack`` metadata, so one plan serves both graphs. It merges the FSDP all-gathers and
+    reduce-scatters of each bucket into one of each;
+  - ``"auto"``: Inductor's overlap scheduler with ``collective_bucketing=True``, which greedily buckets the
+    collectives its runtime model says can hide behind compute.
+* **reordering** (``reorder``): in manual mode, block i+1's all-gather is issued before block i's compute
+  (forward and backward prefetch), and block i's reduce-scatter wait moves past block i-1's. ``none`` +
+  reorder runs the overlap scheduler without bucketing. ``auto`` always reorders (``reorder=False`` is ignored
+  there, with a warning). The chosen order is pinned with Inductor's ``control_deps``
+  (``insert_overlap_deps``, plus ``comm_plan.overlap_order`` in manual mode), because Inductor's own
+  scheduler would otherwise move each all-gather back next to its wait, or a wait before the compute meant to
+  hide it.
+* **comm plan**: the final graph's collectives, recorded and written to ``dump_folder`` (``comm_plan.py``).
+
+**Regional compilation** (``CompilePlan.compile_regional``, ``[compile] regional``) compiles regions of
+``regional_blocks`` consecutive transformer blocks (``regions.py``; the last region also runs the final norm
+and output projection, the embedding is a small region of its own) instead of the model: one options dict (one
+pass object) for all of them, so Dynamo reuses a region's graphs for every other region of its shape and
+compile time hardly grows with depth. The pass buckets each region (``region_bucket_plan``) and reorders inside
+it, as in the whole-model graph; each region gathers the next region's first weights while its last block
+computes (the hand-off), so that what a compiled graph cannot overlap with anything outside it stays small.
+Compiling a repeated block once *inside* the whole graph is what torch's ``nested_compile_region`` is for, but
+it fails on SimpleFSDP's DTensor gathers in torch 2.13 (``scripts/repro_nested_compile_region.py``;
+docs/benchmarks.md, "Compile time against depth").
+
+The other modules: ``comm_plan.py`` reads the graphs, ``cpu_cost_model.py`` gives the scheduler runtime
+estimates on CPU (it swaps two functions of ``torch.utils._runtime_estimation`` while our pass runs, then
+restores them), and ``torch_private.py`` holds every private torch API used here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+
+from titan_simple.compile.cache import comm_plan_store
+from titan_simple.compile.comm_plan import (
+    COLLECTIVE_KINDS,
+    CommPlanRecorder,
+    overlap_order,
+    sink_last_reduce_scatter_waits,
+)
+from titan_simple.compile.cpu_cost_model import CpuRuntimeEstimator, cpu_roofline
+from titan_simple.compile.regions import EMBEDDING, HEAD_BUCKET, RegionalForward, region_bucket_plan
+from titan_simple.parallel.simple_fsdp import data_parallel_group_names
+from titan_simple.parallel.torch_private import (
+    CustomGraphPass,
+    add_control_deps,
+    analytical_runtime_ms,
+    async_tensor_parallel_options,
+    manual_bucketing_only,
+    manual_overlap_bucketing,
+    prepare_compile,
+    rank_local_compile_options,
+    schedule_overlap_rank_local,
+)
+
+logger = logging.getLogger(__name__)
+
+BUCKETING_MODES = ("none", "transformer_block", "auto")
+# The modules whose code decides what the post-grad pass does to a graph (part of its cache key).
+_PASS_SOURCES = (*(Path(__file__).with_name(name) for name in ("compiler.py", "comm_plan.py", "cpu_cost_model.py")),
+                 Path(__file__).parent.parent / "parallel" / "torch_private.py")
+
+
+def transformer_block_plan(model: nn.Module) -> list[str | list[str]]:
+    """One bucket per transformer block, the embedding alone, and the remaining parameter-owning top-level
+    modules (final norm + output projection) together: ``["tok_embeddings", "layers.0", ..., ["norm",
+    "output"]]``."""
+    layers = getattr(model, "layers", None)
+    blocks = [f"layers.{name}" for name, _ in layers.named_children()] if isinstance(layers, nn.Module) else []
+    before, after = [], []
+    for name, child in model.named_children():
+        if child is layers or not any(True for _ in child.parameters()):
+            continue
+        (after if blocks and name in ("norm", "output") else before).append(name)
+    plan: list[str | list[str]] = [*before, *blocks]
+    if after:
+        plan.append(after if len(after) > 1 else after[0])
+    return plan
+
+
+# ------------------------------------------------------------------------------------------- the pass
+
+
+class _OverlapPass(CustomGraphPass):
+    """Our post-grad pass: bucket / reorder the collectives, then record them. ``uuid()`` makes the graphs it
+    shapes cacheable (Inductor's FX graph cache, and so AOTAutograd's): on a cache hit the pass does not run,
+    and the comm plan comes from the compile cache's copy (``compile/cache.py``)."""
+
+    def __init__(self, bucketing: str, plan, reorder: bool, cpu: bool, estimator, recorder: CommPlanRecorder,
+                 sink_groups: frozenset[str] = frozenset()):
+        self.bucketing, self.plan, self.reorder, self.cpu = bucketing, plan, reorder, cpu
+        self.estimator, self.recorder = estimator, recorder
+        self.sink_groups = sink_groups  # regional: whose last reduction's wait sinks (sink_last_reduce_scatter_waits)
+
+    def uuid(self) -> str:
+        """What decides the pass's output besides the graph: its settings, the source of every module that
+        shapes it, and the torch version. The calibrated CPU runtime model of ``auto`` bucketing changes every
+        run and only moves bucket boundaries (any bucketing computes the same values): only whether there is
+        one enters the key."""
+        settings = {"bucketing": self.bucketing, "plan": self.plan, "reorder": self.reorder, "cpu": self.cpu,
+                    "sink_groups": sorted(self.sink_groups),
+                    "estimator": self.estimator is not None, "torch": torch.__version__}
+        digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
+        for path in _PASS_SOURCES:
+            digest.update(path.read_bytes())
+        return digest.hexdigest()
+
+    def __call__(self, graph: fx.Graph) -> None:
+        gm = graph.owning_module
+        has_collectives = any(n.op == "call_function" and n.target in COLLECTIVE_KINDS for n in graph.nodes)
+        rates = self.estimator if isinstance(self.estimator, CpuRuntimeEstimator) else None
+        with cpu_roofline(rates) if self.cpu else contextlib.nullcontext():
+            self._bucket_and_reorder(gm, has_collectives)
+        self.recorder.add(graph)
+
+    def _bucket_and_reorder(self, gm: fx.GraphModule, has_collectives: bool) -> None:
+        if has_collectives and self.plan is not None:
+            if self.reorder:
+                # insert_overlap_deps: pin the order we chose with control_deps. Without them Inductor's own
+                # scheduler (peak-memory reordering) sinks every all-gather back next to its wait, and the
+                # generated code overlaps nothing (measured: 0 compute kernels between any start and wait).
+                manual_overlap_bucketing(gm, self.plan, insert_overlap_deps=True)
+                # Its deps pin "the next collective starts before this wait", not "this collective overlaps
+                # the compute between its start and its wait": in a transformer block's graph (regional)
+                # Inductor then waited for both all-gathers before the attention compute, and fused the two
+                # norms' weight gradients, which delayed the feed-forward reduce-scatter to the block's end
+                # (measured). Pin that too; in a region's graph, after letting its last gradient reduction's wait
+                # sink to the graph's end (the manual overlap leaves it where it was issued: nothing after it to
+                # defer it past).
+                if self.sink_groups:
+                    sink_last_reduce_scatter_waits(gm.graph, set(self.sink_groups))
+                add_control_deps(gm.graph, overlap_order(gm.graph))
+                gm.recompile()
+            else:
+                manual_bucketing_only(gm, self.plan)
+                gm.recompile()
+        elif has_collectives and (self.bucketing == "auto" or self.reorder):
+            auto = self.bucketing == "auto"
+            # With tensor parallel the graph also holds TP's activation collectives, whose gathered outputs
+            # are saved for backward; Inductor's bucketer asserts a single user and fails on them ("Expected
+            # single user for all_gather_into_tensor", torch 2.13). Bucket only the process groups that carry
+            # FSDP all-gathers (of parameters), i.e. the data-parallel ones.
+            groups = {
+                n.args[-1] for n in gm.graph.nodes if n.op == "call_function" and n.target in COLLECTIVE_KINDS
+            }
+            # Estimates every rank computes alike (``runtime_estimator``), analytical compute estimates, and no
+            # cross-rank alignment: Inductor's default benchmarks compute nodes and gathers the results over the
+            # world group in every compile, which deadlocks pipeline stages (they compile one after another) and
+            # ranks where one loaded the graph from the compile cache (torch_private: schedule_overlap_rank_local).
+            schedule_overlap_rank_local(
+                gm,
+                collective_bucketing=auto,
+                pre_bucketing_fsdp_collectives=False,
+                insert_overlap_deps=True,  # as for manual: keep the overlap in the generated code
+                bucket_only_internode_comms=len(groups) > 1,
+                custom_runtime_estimation=self.estimator,
+                compute_estimator="analytical",
+                collective_estimator="analytical",
+            )
+            gm.recompile()
+
+
+_CALIBRATED: CpuRuntimeEstimator | None = None
+RuntimeEstimator = Callable[[fx.Node, int | None], float | None]
+
+
+def runtime_estimator(cpu: bool) -> RuntimeEstimator:
+    """The overlap scheduler's runtime model, the same on every rank, so that every rank schedules its graph alike
+    without exchanging estimates while compiling. CPU: ``CpuRuntimeEstimator``, calibrated once per process when
+    the model is built (every rank together, with collectives: before any lazy compile). GPU: Inductor's own
+    analytical model without NCCL's simulator (``analytical_runtime_ms``)."""
+    if not cpu:
+        return analytical_runtime_ms
+    global _CALIBRATED
+    if _CALIBRATED is None:  # once per process: every rank calibrates together (collectives)
+        _CALIBRATED = CpuRuntimeEstimator.calibrate()
+        logger.info(
+            "compile: CPU runtime model: collective %.3f ms + bytes / %.1f MB/s, matmul %.1f GFLOP/s",
+            _CALIBRATED.latency_ms, _CALIBRATED.bytes_per_ms / 1e3, _CALIBRATED.flops_per_ms / 1e6,
+        )
+    return _CALIBRATED
+
+
+def gpu_scheduling_options(cpu: bool, bucketing: str) -> dict[str, bool]:
+    """Inductor settings for CUDA, as TorchTitan's SimpleFSDP backend sets them (torchtitan graph_trainer
+    jit_backend.py, pull request 1464): its own peak-memory reorder off, so the order our pass chose (collectives
+    started early, waits late) is kept; and with bucketing, no buffer reuse, so a bucket's buffer is not handed to
+    other kernels while its collective may still run. Only read against TorchTitan and torch 2.13, not yet run
+    on a GPU. CPU keeps Inductor's defaults, which every CPU measurement in docs/ used."""
+    if cpu:
+        return {}
+    return {"reorder_for_peak_memory": False, **({"allow_buffer_reuse": False} if bucketing != "none" else {})}
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    """What ``[compile]`` means for this run (decided by ``core/plan.py``).
+
+    ``mode``: ``off``; ``whole`` (the model, or each pipeline stage, is one graph, collectives included);
+    ``whole_with_loss`` (the training step compiles the model and its loss as one graph, ``core/loss.py``);
+    ``per_block`` (each transformer block on its own: FSDP2, TP inside multi-stage pipelines, zero-bubble
+    schedules; no whole-step graph to bucket or reorder); ``regional`` (``[compile] regional``: the transformer
+    blocks share one compiled code, which buckets and reorders their collectives; the last region runs the norm
+    and output too; the embedding compiles as a small region of its own, or runs eagerly under tensor parallel)."""
+
+    mode: str = "off"
+    backend: str = "inductor"
+    bucketing: str = "transformer_block"
+    manual_plan: tuple[str | tuple[str, ...], ...] = ()
+    reorder: bool = True
+    dump_folder: str | None = None
+    # Where torch's compile caches live for this run ([compile] cache_dir; compile_cache.use_compile_cache).
+    cache_dir: str = ""
+    # Names this run's graphs for the comm plan's copy in the compile cache (core/plan.py; "" = keep none).
+    fingerprint: str = ""
+    async_tensor_parallel: bool = False  # Inductor's micro-pipelined TP (CUDA only; core/plan.py checks)
+    region_blocks: int = 1  # regional: consecutive transformer blocks compiled as one region
+    # regional: each region gathers the next region's first weights (regions.py; SimpleFSDP gathering per
+    # microbatch, no pipeline parallel: core/plan.py)
+    region_handoff: bool = False
+    # Inductor rounds through each low-precision cast as eager does, so a recomputed value equals the forward's
+    # (rowwise float8: core/plan.py)
+    emulate_precision_casts: bool = False
+
+    def inductor_options(self) -> dict[str, Any]:
+        """The Inductor settings of this compile that do not depend on the graph (``compile_model`` adds its
+        post-grad pass): the ones that keep a compile from talking to other ranks (``rank_local_compile_options``:
+        pipeline stages compile one after another), async tensor parallel's pass, and precision-cast emulation."""
+        if self.backend != "inductor":
+            return {}
+        return {**rank_local_compile_options(),
+                **(async_tensor_parallel_options() if self.async_tensor_parallel else {}),
+                **({"emulate_precision_casts": True} if self.emulate_precision_casts else {})}
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    @property
+    def whole_graph(self) -> bool:
+        """One graph for the model or stage (with or without the loss): Inductor sees the collectives."""
+        return self.mode in ("whole", "whole_with_loss")
+
+    def compile_whole(self, module: nn.Module, plan_root: str = "") -> CommPlanRecorder | None:
+        """Compile ``module`` in place as one graph with this plan's bucketing and reordering; ``plan_root``
+        names the submodule holding the transformer blocks when ``module`` wraps the model."""
+        return compile_model(module, backend=self.backend, bucketing=self.bucketing,
+                             manual_plan=self.manual_plan or None, reorder=self.reorder,
+                             dump_folder=self.dump_folder, plan_root=plan_root,
+                             extra_options=self.inductor_options(), fingerprint=self.fingerprint)
+
+    def compile_regional(self, model: nn.Module) -> CommPlanRecorder | None:
+        """Regional compilation: group ``model``'s transformer blocks into regions of ``region_blocks``
+        consecutive blocks (``regions.BlockRegion``, the last one followed by the final norm and output
+        projection), after the embedding's own region; ``Transformer.forward`` runs them through
+        ``regions.RegionalForward``. Every region compiles with one shared pass, so Dynamo reuses a region's
+        graphs for every other region of its shape (their guards pass: same classes, shapes and settings) and
+        compile time hardly grows with depth: three codes, the embedding's, the blocks' and the last region's.
+        The pass buckets each region's collectives (``region_bucket_plan``) and, with reorder, issues each
+        bucket's all-gather while the bucket before it computes (in backward, each reduce-scatter runs while the
+        bucket after it computes). With ``region_handoff`` each region also gathers the next region's first
+        weights, so that their collectives overlap too (``regions.py``)."""
+        size = self.region_blocks
+        forward = RegionalForward(model, size, handoff=self.region_handoff)
+        if not forward.regions:
+            # A pipeline stage without blocks: its embedding, norm and output compile alone, or run eagerly under
+            # tensor parallel (their layouts are forward hooks; compiled alone, the row-wise sharded embedding
+            # fails DTensor's sharding propagation in torch 2.13).
+            for name in (EMBEDDING, *HEAD_BUCKET):
+                module = getattr(model, name, None)
+                if module is not None and not (module._forward_pre_hooks or module._forward_hooks):
+                    self._compile_forward(module)
+            return None
+        model.block_regions = forward
+        regions = forward.compiled
+        first = _REGIONAL_COMPILES.get(self)
+        if first is not None:  # another pipeline stage of this rank: the same options, so the same code
+            for region in regions:
+                region.compile(backend=self.backend, fullgraph=True, options=first.compile_options)
+            model.comm_plan_recorder = first
+            return first
+        plan = region_bucket_plan(size) if self.bucketing == "transformer_block" else None
+        recorder = compile_model(model, backend=self.backend, bucketing=self.bucketing, manual_plan=plan,
+                                 reorder=self.reorder, dump_folder=self.dump_folder,
+                                 extra_options=self.inductor_options(), fingerprint=self.fingerprint,
+                                 modules=regions)
+        if recorder is not None:
+            _REGIONAL_COMPILES[self] = recorder
+        return recorder
+
+    def _compile_forward(self, module: nn.Module) -> None:
+        """Compile ``module.forward`` in place, through a function of ours: Dynamo skips the frames of torch's
+        own modules (``nn.Embedding``, ``nn.Linear``, ...) when their ``_call_impl`` is compiled directly
+        ("found no compiled frames"), but inlines them from ours. Forward hooks would stay outside."""
+        options = self.inductor_options()
+        prepare_compile()
+        compiled = torch.compile(_forward_of, backend=self.backend, fullgraph=True,
+                                 **({"options": options} if options else {}))
+        module.forward = functools.partial(compiled, module)
+
+    def compile_block(self, block: nn.Module) -> None:
+        """Compile one transformer block in place (``per_block`` mode): no collective passes, only the
+        graph-independent options."""
+        options = self.inductor_options()
+        prepare_compile()
+        block.compile(backend=self.backend, fullgraph=True, **({"options": options} if options else {}))
+
+
+_REGIONAL_COMPILES: dict[CompilePlan, CommPlanRecorder] = {}  # the first regional compile of each plan
+
+
+def _forward_of(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``module``'s own forward (its class's), the frame ``CompilePlan._compile_forward`` compiles."""
+    return type(module).forward(module, *args, **kwargs)
+
+
+def compile_model(
+    model: nn.Module,
+    *,
+    backend: str = "inductor",
+    bucketing: str = "none",
+    manual_plan: Sequence[str | Sequence[str]] | None = None,
+    reorder: bool = False,
+    dump_folder: str | None = None,
+    fullgraph: bool = True,
+    plan_root: str = "",
+    extra_options: dict[str, Any] | None = None,
+    fingerprint: str = "",
+    modules: Sequence[nn.Module] | None = None,
+) -> CommPlanRecorder | None:
+    """Compile ``model`` in place with the given collective bucketing / reordering; return the comm-plan
+    recorder (``None`` for non-Inductor backends, which run no Inductor passes).
+
+    ``bucketing``: ``none`` | ``transformer_block`` | ``auto``. ``manual_plan`` overrides the
+    ``transformer_block`` plan (one entry per bucket: a module FQN or a list of FQNs). ``dump_folder``: where
+    ``comm_plan.json`` / ``.txt`` go (rank 0). ``plan_root``: the submodule holding the transformer blocks when
+    ``model`` wraps the model (plan entries are then prefixed with it). ``extra_options``: more Inductor settings
+    for this compile (``CompilePlan.inductor_options``). ``fingerprint``: names these graphs for the comm
+    plan's copy in the compile cache (``compile/cache.py``). ``modules``: compile these modules (the regions of
+    ``regions.py``: one code for every region of a shape, regional compilation) instead of ``model`` itself;
+    ``manual_plan`` then names modules inside a region, and each graph's last gradient reduction waits at its
+    end (``sink_last_reduce_scatter_waits``). The recorder is also left on ``model`` as
+    ``comm_plan_recorder`` (``comm_plan_recorders`` finds it). Must be called on every rank (the CPU estimator
+    calibrates with collectives).
+    """
+    if bucketing not in BUCKETING_MODES:
+        raise ValueError(f"compile_model: bucketing must be one of {BUCKETING_MODES}, got {bucketing!r}.")
+    prepare_compile()
+    if backend != "inductor":
+        if bucketing != "none" or reorder or manual_plan:
+            warnings.warn(
+                f"compile backend {backend!r} runs no Inductor passes: bucketing/reorder ignored.", stacklevel=2
+            )
+        for module in modules or [model]:
+            module.compile(backend=backend, fullgraph=fullgraph)
+        return None
+    if bucketing == "auto" and manual_plan:
+        raise ValueError("compile_model: a manual_plan needs bucketing 'transformer_block' (manual), not 'auto'.")
+    if bucketing == "auto" and not reorder:
+        warnings.warn("compile: bucketing='auto' always reorders (its buckets are chosen for overlap).", stacklevel=2)
+    plan = [list(p) if not isinstance(p, str) else p for p in manual_plan] if manual_plan else None
+    if modules is None:
+        modules = [model]
+    elif bucketing == "transformer_block" and plan is None:
+        raise ValueError("compile_model: regional compilation (modules=...) needs its bucket plan (manual_plan).")
+    if bucketing == "transformer_block" and plan is None:
+        plan = transformer_block_plan(model.get_submodule(plan_root))
+    if plan is not None and plan_root:
+        plan = [f"{plan_root}.{p}" if isinstance(p, str) else [f"{plan_root}.{q}" for q in p] for p in plan]
+    if bucketing == "none":
+        plan = None
+    estimator = None
+    cpu = not torch.cuda.is_available()
+    needs_estimates = bucketing == "auto" or (bucketing == "none" and reorder)
+    if needs_estimates:
+        estimator = runtime_estimator(cpu)
+    settings = {"bucketing": bucketing, "reorder": reorder, "plan": plan}
+    recorder = CommPlanRecorder(dump_folder, settings)
+    # Regional compilation (modules=...): a region's last gradient reduction can wait at its graph's end.
+    sink_groups = frozenset(data_parallel_group_names(model)) if modules is not None and reorder else frozenset()
+    overlap_pass = _OverlapPass(bucketing, plan, reorder, cpu, estimator, recorder, sink_groups)
+    if fingerprint:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        recorder.store = comm_plan_store(fingerprint, overlap_pass.uuid(), rank)
+    # One options dict (one pass object) for every module: Dynamo then reuses one module's compiled code for
+    # another of the same class whose guards pass (regional compilation), instead of compiling it again.
+    options = {**rank_local_compile_options(), **gpu_scheduling_options(cpu, bucketing), **(extra_options or {}),
+               "post_grad_custom_post_pass": overlap_pass}
+    for module in modules:
+        module.compile(backend=backend, fullgraph=fullgraph, options=options)
+    recorder.compile_options = options
+    model.comm_plan_recorder = recorder
+    return recorder
+
+
+def comm_plan_recorders(modules: Sequence[nn.Module | None]) -> list[CommPlanRecorder]:
+    """The comm-plan recorders of the compiled modules in (and under) ``modules``, each once (pipeline stages
+    compiled regionally share one)."""
+    found = [m.comm_plan_recorder for module in modules if module is not None for m in module.modules()
+             if isinstance(getattr(m, "comm_plan_recorder", None), CommPlanRecorder)]
+    return list({id(recorder): recorder for recorder in found}.values())

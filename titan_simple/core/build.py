@@ -1,0 +1,92 @@
+"""The plan -> the model parts this rank trains: the one build everything calls.
+
+    plan = resolve_plan(config, world_size, device.type)   # core/plan.py: every decision, no communication
+    mesh = plan.dims.build_mesh(device.type)
+    parts = build_model_parts(plan, mesh, device)           # parts.modules: [model] or this rank's stages
+                                                            # (train/assemble.build_run calls it)
+
+The model is built on the meta device and goes through the recipe (``parallelize.parallelize_llama``: tensor
+parallel -> activation checkpointing -> SimpleFSDP / FSDP2 -> compile) as ``plan.parallel`` says; with pipeline
+parallel it is split into stages first and each stage gets the recipe (``pipeline.build_pipeline``). Then every
+part is materialized and initialized with layout-invariant random numbers (``sharded_init``): the same seed
+gives the same weights on every layout. ``materialize=False`` leaves the parts on the meta device (the dry run
+traces them there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from titan_simple.core.plan import RunPlan
+from titan_simple.models.float8 import convert_to_float8
+from titan_simple.models.llama3 import ModelArgs, Transformer, count_parameters, flops_per_token
+from titan_simple.parallel.parallelize import parallelize_llama
+from titan_simple.parallel.pipeline import PipelineRun, build_pipeline
+from titan_simple.parallel.sharded_init import materialize_and_init
+from titan_simple.parallel.step_gather import StepGather
+
+
+@dataclass
+class ModelParts:
+    """What one rank trains. ``modules``: the parallelized model, or this rank's pipeline stages (each a model
+    that keeps the whole model's parameter names); ``pipeline``: the schedule that runs the stages, or None."""
+
+    model_args: ModelArgs
+    modules: list[nn.Module]
+    pipeline: PipelineRun | None
+    device: torch.device
+    num_params: int  # of the whole model, not this rank's share
+    flops_per_token: float  # model FLOPs of training (6 N + attention), for TFLOP/s and MFU
+    # Set when SimpleFSDP gathers once per step ([parallelism] fsdp_gather): the step calls gather() before its
+    # first microbatch and reduce() after its last.
+    step_gather: StepGather | None = None
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The whole model when there is no pipeline, else None."""
+        return self.modules[0] if self.pipeline is None else None
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for module in self.modules for p in module.parameters()]
+
+    def as_module(self) -> nn.Module:
+        """All parts as one module (for the optimizer and checkpoint helpers that take a module)."""
+        return self.modules[0] if len(self.modules) == 1 else nn.ModuleList(self.modules)
+
+
+def build_model_parts(plan: RunPlan, mesh: DeviceMesh | None, device: torch.device, *,
+                      materialize: bool = True) -> ModelParts:
+    """Build, parallelize and (unless ``materialize=False``) initialize this rank's parts of the model. Every
+    rank of the world calls it (building the mesh's sub-groups and the pipeline stages communicates)."""
+    training = plan.config.training
+    with torch.device("meta"):
+        model = Transformer(plan.model_args)
+    if plan.float8 is not None:  # before tensor parallel, AC and SimpleFSDP: they see plain linears' weights
+        convert_to_float8(model, plan.float8.recipe, list(plan.float8.filter_fqns), emulate=plan.float8.emulate,
+                          targets=plan.float8.targets)
+    num_params = count_parameters(model)
+    flops = flops_per_token(plan.model_args, count_parameters(model, exclude_embedding=True), training.seq_len)
+    if plan.pipeline is not None:
+        # This rank's stages, each split off, parallelized and initialized like a whole model, and the schedule
+        # that runs them with the training loss on the last stage.
+        pipeline = build_pipeline(model, mesh, plan.pipeline, plan.parallel, device, seed=training.seed,
+                                  loss_fn=plan.loss.scaled, materialize=materialize)
+        modules = pipeline.model_parts
+    else:
+        pipeline = None
+        model = parallelize_llama(model, mesh, plan.parallel)
+        if materialize:
+            materialize_and_init(model, device, training.seed)  # the same values on every layout
+        modules = [model]
+    # Compiled forwards read the held weights as graph inputs: they must be gathered before the forward starts.
+    step_gather = (StepGather(modules, lazy=not plan.compile.enabled) if plan.gather_mode == "once_per_step"
+                   else None)
+    return ModelParts(
+        model_args=plan.model_args, modules=modules, pipeline=pipeline,
+        device=device if materialize else torch.device("meta"), num_params=num_params, flops_per_token=flops,
+        step_gather=step_gather,
+    )

@@ -1,0 +1,493 @@
+"""The run plan: what a config means for this run, decided once, before any process group exists.
+
+    plan = resolve_plan(config, world_size, device_type="cuda")   # raises the one-line ConfigError
+    for line in plan.describe():                                  # what will run, and why where auto chose
+        logger.info(line)
+    run = build_run(plan, device)                                 # the build, the step, validation, the dry
+                                                                  # run and the benchmark read the plan
+
+Every decision derived from the config and the mesh degrees has one function below, and only
+``resolve_plan`` calls them (tests may call them directly): the mesh degrees, the pipeline plan, gradient
+accumulation, the gather mode, the parameter / reduce dtypes and autocast, reshard after forward, loss
+parallel, the compile mode and the data order. Every check that needs no communication runs while resolving.
+Nothing below the plan reads ``[parallelism]``, ``[compile]``, ``[activation_checkpoint]`` or the precision
+keys to decide something again; plain settings (learning rate, paths, intervals) are read from
+``plan.config`` where they are used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from titan_simple.compile.compiler import CompilePlan
+from titan_simple.config import JobConfig
+from titan_simple.core.batching import accumulation_steps
+from titan_simple.core.loss import LossPlan
+from titan_simple.data.datasets import data_cache_folder
+from titan_simple.errors import ConfigError
+from titan_simple.models.float8 import Float8Plan, plan_float8, plan_float8_parallel
+from titan_simple.models.from_config import check_initial_weights, model_args_for
+from titan_simple.models.llama3 import ModelArgs
+from titan_simple.parallel.dims import ParallelDims, validate_parallelism
+from titan_simple.parallel.parallelize import ParallelPlan
+from titan_simple.parallel.pipeline import ZERO_BUBBLE_SCHEDULES, PipelinePlan, plan_pipeline
+from titan_simple.parallel.tensor_parallel import local_linear_shape
+from titan_simple.parallel.torch_private import cross_rank_compile_settings
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class Precision:
+    param_dtype: torch.dtype  # what the weights are gathered and computed in
+    reduce_dtype: torch.dtype  # what gradients are reduced in across ranks
+    autocast_dtype: torch.dtype | None  # set when nobody else casts the weights (no data parallel, bf16)
+
+
+@dataclass(frozen=True)
+class DataOrder:
+    """The layout-invariant order (``data/sample_index.py``): step s, row r reads global sample
+    ``consumed + s x global_rows + r``; each data-parallel rank reads its block of rows."""
+
+    global_rows: int  # sequences per optimizer step: local batch x dp x accumulation
+    shuffle_seed: int | None  # None: documents in store order
+    cache: Path  # where the token stores are (data/token_store.py)
+
+
+@dataclass(frozen=True)
+class ValidationPlan:
+    local_batch_size: int
+    seq_len: int
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    config: JobConfig  # the settings nothing derives a decision from are read here where they are used
+    dims: ParallelDims
+    device_type: str  # the device the dtypes were chosen for (cpu or cuda)
+    model_args: ModelArgs  # the flavor, its RoPE table as long as [training] seq_len
+    pipeline: PipelinePlan | None
+    accumulation_steps: int  # microbatches of local_batch_size per step on each dp rank
+    precision: Precision
+    gather_mode: str  # per_microbatch | once_per_step (SimpleFSDP under pipeline parallel / accumulation)
+    parallel: ParallelPlan  # what the recipe applies (tensor parallel, AC, data parallel, compile)
+    loss: LossPlan
+    data: DataOrder
+    validation: ValidationPlan | None
+    float8: Float8Plan | None = None  # [model] converters = ["float8"]
+    reasons: dict[str, str] = dataclasses.field(default_factory=dict)  # why "auto" / "default" chose
+
+    @property
+    def compile(self) -> CompilePlan:
+        return self.parallel.compile
+
+    @property
+    def global_tokens(self) -> int:
+        return self.data.global_rows * self.config.training.seq_len
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The forward's autocast: only without data parallel in bf16 (data parallel casts the weights)."""
+        if self.precision.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.precision.autocast_dtype)
+
+    def without_compile(self) -> RunPlan:
+        """The same plan run eagerly (the dry run traces it; ``loss.compiled_with_model`` keeps what the real
+        step would compile)."""
+        return dataclasses.replace(
+            self, parallel=dataclasses.replace(self.parallel, compile=dataclasses.replace(self.compile, mode="off")))
+
+    def describe(self) -> list[str]:
+        """The plan in at most 8 lines: what will run, and why where ``auto`` / ``default`` chose."""
+        config, dims, parallel = self.config, self.dims, self.parallel
+        args, training = self.model_args, config.training
+
+        def why(key: str) -> str:
+            return f" ({self.reasons[key]})" if key in self.reasons else ""
+
+        model = config.model.flavor if not config.model.hf_config else f"from {config.model.hf_config}"
+        rope = f", RoPE scaled {args.rope_scaling.factor:g}x" if args.rope_scaling is not None else ""
+        tied = ", tied embeddings" if args.tie_word_embeddings else ""
+        lines = [f"plan: llama3 {model} ({args.n_layers} layers, dim {args.dim}, vocab {args.vocab_size}{rope}{tied}) "
+                 f"| world {dims.world_size} on {self.device_type}: {dims.describe}"]
+        if dims.dp_enabled:
+            wrapper = "SimpleFSDP" if parallel.fsdp_implementation == "simple" else "FSDP2"
+            reshard = "reshard after forward" if parallel.reshard_after_forward else "keep gathered weights"
+            gather = (f" | gather {self.gather_mode}{why('gather')}"
+                      if parallel.fsdp_implementation == "simple" else "")
+            lines.append(f"  data parallel: {wrapper} {dims.data_parallel_mode}, {reshard}{why('reshard')}{gather}")
+        precision = self.precision
+        autocast = (f"autocast {_name(precision.autocast_dtype)}" if precision.autocast_dtype is not None
+                    else "no autocast")
+        float8 = "" if self.float8 is None else f" | {self.float8.describe()}"
+        ignored = sorted(key for key in config.sources if key.startswith("float8."))
+        if self.float8 is None and ignored:  # [float8] keys do nothing without the converter: say so, once
+            float8 = f" | {', '.join(ignored)} ignored: [model] converters has no float8"
+        lines.append(f"  precision: {_name(precision.param_dtype)} compute{why('dtype')}, "
+                     f"{_name(precision.reduce_dtype)} reduce, {autocast}{float8}")
+        shuffle = (f"shuffled (seed {self.data.shuffle_seed})" if self.data.shuffle_seed is not None
+                   else "in store order")
+        lines.append(f"  batch: {self.data.global_rows} x {training.seq_len} = {self.global_tokens:,} tokens per "
+                     f"step | local {training.local_batch_size} x {self.accumulation_steps} accumulation | data "
+                     f"{shuffle}")
+        if self.pipeline is not None:
+            plan = self.pipeline
+            fewest, most = min(map(len, plan.stage_layers)), max(map(len, plan.stage_layers))
+            layers = str(most) if fewest == most else f"{fewest}-{most}"
+            lines.append(f"  pipeline: {plan.schedule}, {plan.num_stages} stages of {layers} layers "
+                         f"({plan.num_stages // plan.pp} per pp rank), {plan.n_microbatches} microbatches")
+        ac = parallel.ac_mode + (f" ({parallel.ac_option})" if parallel.ac_mode == "selective" else "")
+        loss = "loss parallel" if self.loss.parallel else "cross-entropy"
+        chunks = f" in {self.loss.chunks} chunks" if self.loss.chunks > 1 else ""
+        lines.append(f"  activation checkpointing: {ac} | loss: {loss}{chunks}"
+                     + (f", compiled with the model{why('loss')}" if self.loss.compiled_with_model else ""))
+        compile_plan = self.compile
+        if not compile_plan.enabled:
+            lines.append("  compile: off (eager)")
+        else:
+            what = {"whole": "whole model / stage", "whole_with_loss": "model + loss as one graph",
+                    "per_block": "each transformer block",
+                    "regional": f"regional, one code for every region of {compile_plan.region_blocks} "
+                                f"transformer block{'s' * (compile_plan.region_blocks > 1)}"}[compile_plan.mode]
+            passes = (f", bucketing {compile_plan.bucketing}, reorder {'on' if compile_plan.reorder else 'off'}"
+                      if compile_plan.mode != "per_block" and compile_plan.backend == "inductor" else "")
+            async_tp = ", async TP" if compile_plan.async_tensor_parallel else ""
+            lines.append(f"  compile: {what}{why('compile')}, {compile_plan.backend}{passes}{async_tp}")
+        if self.validation is not None:
+            lines.append(f"  validation: every {config.validation.freq} steps, {self.validation.local_batch_size} x "
+                         f"{self.validation.seq_len} per dp rank")
+        return lines
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+# ---------------------------------------------------------------------------------------------- resolving
+
+
+def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPlan:
+    """Decide everything the config leaves to the layout, for ``world_size`` processes on ``device_type``
+    (``cpu`` or ``cuda``: it decides ``auto`` dtypes). Raises the one-line ConfigError of any check that needs no
+    communication."""
+    reasons: dict[str, str] = {}
+    dims = ParallelDims.from_config(config, world_size)
+    model_args = model_args_for(config)
+    validate_parallelism(dims, model_args, config)
+    check_initial_weights(config, model_args)
+    check_profiling(config, world_size, device_type)
+    float8 = plan_float8(config.model.converters, config.float8, model_args, device_type, config.dry_run.enable,
+                         local_shape=local_linear_shape(dims.tp) if dims.tp > 1 else None)
+    pipeline = plan_pipeline(config, model_args.n_layers, dims.pp) if dims.pp > 1 else None
+    training = config.training
+    # With fault tolerance the global batch spans every replica group: each group's dp ranks read their rows of it.
+    ft = config.fault_tolerance
+    data_ranks = dims.dp * (ft.group_size if ft.enable else 1)
+    accumulation = accumulation_steps(training.global_batch_size, training.local_batch_size, data_ranks)
+    gather = choose_gather_mode(config, dims, reasons)
+    float8 = plan_float8_parallel(float8, config.float8.all_gather, dims, config.parallelism.fsdp_implementation)
+    precision = choose_precision(config, dims, device_type, reasons)
+    compile_mode = choose_compile_mode(config, dims, reasons)
+    compile_config = config.compile
+    compile_plan = CompilePlan(
+        mode=compile_mode, backend=compile_config.backend, bucketing=compile_config.bucketing,
+        manual_plan=tuple(p if isinstance(p, str) else tuple(p) for p in compile_config.manual_bucketed_modules),
+        reorder=compile_config.reorder, dump_folder=config.job.dump_folder,
+        region_blocks=compile_config.regional_blocks if compile_mode == "regional" else 1,
+        # Each region gathers the next one's first weights (compile/regions.py): only where SimpleFSDP gathers
+        # them per microbatch (gathering once per step holds every weight already), the regions are one model
+        # (a pipeline stage's last region has no next one on its rank) and the collectives are reordered
+        # (without, the hand-off would hold weights and hide nothing).
+        region_handoff=(compile_mode == "regional" and dims.dp_enabled and dims.pp == 1 and gather == "per_microbatch"
+                        and (compile_config.reorder or compile_config.bucketing == "auto")),
+        async_tensor_parallel=choose_async_tensor_parallel(config, dims, device_type),
+        cache_dir=compile_cache_folder(config),
+        # Rowwise float8 rounds each scale to a power of two: a value Inductor recomputes in backward (selective
+        # AC) without the eager casts' rounding can flip a scale and the cast after it (TorchTitan sets it for
+        # rowwise too; pytorch#150859: rowwise + compile + selective AC stalled, then NaN, on 8B).
+        emulate_precision_casts=(float8 is not None and float8.recipe.startswith("rowwise")
+                                 and config.float8.stable_recompute),
+    )
+    loss_parallel = uses_loss_parallel(config, dims)
+    ac = config.activation_checkpoint
+    parallel = ParallelPlan(
+        dims=dims, loss_parallel=loss_parallel, ac_mode=ac.mode, ac_option=ac.selective_ac_option,
+        fsdp_implementation=config.parallelism.fsdp_implementation, param_dtype=precision.param_dtype,
+        reduce_dtype=precision.reduce_dtype,
+        reshard_after_forward=choose_reshard_after_forward(config, dims, gather, reasons), compile=compile_plan,
+        float8_all_gather=float8 is not None and float8.all_gather,
+        float8_tensor_parallel=float8 is not None and float8.tensor_parallel,
+        save_float8_amax=config.float8.stable_recompute,
+    )
+    loss = LossPlan(parallel=loss_parallel, compiled_with_model=compile_mode == "whole_with_loss",
+                    chunks=choose_loss_chunks(config, compile_mode, reasons))
+    if compile_plan.enabled:
+        fingerprint = compile_fingerprint(config, model_args, parallel, loss, pipeline, accumulation, float8)
+        parallel = dataclasses.replace(parallel, compile=dataclasses.replace(compile_plan, fingerprint=fingerprint))
+    data = DataOrder(global_rows=training.local_batch_size * data_ranks * accumulation,
+                     shuffle_seed=training.seed if training.shuffle else None,
+                     cache=data_cache_folder(training.data_cache))
+    return RunPlan(
+        config=config, dims=dims, device_type=device_type, model_args=model_args, pipeline=pipeline,
+        accumulation_steps=accumulation, precision=precision, gather_mode=gather, parallel=parallel, loss=loss,
+        data=data, validation=plan_validation(config, dims, pipeline), float8=float8, reasons=reasons,
+    )
+
+
+def check_profiling(config: JobConfig, world_size: int, device_type: str) -> None:
+    """A CPU memory timeline (``trainer/profiling.py``) needs a single process. torch 2.13 builds it from the
+    profiler's allocation events, but gloo's worker threads free the tensors a collective holds (its inputs, the
+    copies it makes) outside the profiler's view; a later allocation at the same address then reads as the same
+    tensor and ``export_memory_timeline`` fails ("version mismatch", "duplicate outputs"). Measured on the debug
+    model, 2 ranks: 15-27 such frees per recorded step, every export failed. CUDA snapshots come from the
+    allocator and work on any layout."""
+    if config.profiling.enable_memory_snapshot and device_type == "cpu" and world_size > 1:
+        raise ConfigError(
+            f"[profiling] enable_memory_snapshot on CPU needs one process, not {world_size}: torch 2.13's CPU "
+            "memory timeline misses the frees made on gloo's threads and cannot be built. Run it with one process "
+            "(python train.py ...), use --dry_run for this layout's memory per rank, or drop the option (traces "
+            "still work)."
+        )
+
+
+def compile_cache_folder(config: JobConfig) -> str:
+    """``[compile] cache_dir``, by default ``<dump_folder>/compile_cache`` (``compile/cache.py``)."""
+    return config.compile.cache_dir or os.path.join(config.job.dump_folder, "compile_cache")
+
+
+def compile_fingerprint(config: JobConfig, model_args: ModelArgs, parallel: ParallelPlan, loss: LossPlan,
+                        pipeline: PipelinePlan | None, accumulation: int, float8: Float8Plan | None = None) -> str:
+    """What this rank's compiled graphs are made of, hashed: the model, the layout and what the recipe applies
+    (dtypes, checkpointing, compile settings), the loss, the shapes of a microbatch, the torch version and this
+    package's source. It names the comm plan's copy in the compile cache (torch's own cache keys decide
+    whether a graph is reused; this only has to tell one run's graphs from another's)."""
+    training = config.training
+    parts = [repr(model_args), repr(dataclasses.replace(parallel, compile=dataclasses.replace(
+                 parallel.compile, dump_folder=None, cache_dir="", fingerprint=""))),
+             repr(loss), repr(pipeline), repr(float8), str(accumulation), str(training.seq_len),
+             str(training.local_batch_size),
+             str(config.parallelism.pipeline_parallel_microbatch_size), torch.__version__, _package_source_hash()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+@functools.cache
+def _package_source_hash() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parent.parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.cache
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX): Linux's CPU flags, the same answer on
+    every rank of a machine. Measured with one thread: a [16384, 256] x [256, 768] matmul took 15 ms in bf16
+    and 75 ms in fp32 on an AVX512-BF16 EPYC; on a CPU without it bf16 ran about 2x slower than fp32."""
+    try:
+        with open(cpuinfo) as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def choose_precision(config: JobConfig, dims: ParallelDims, device_type: str,
+                     reasons: dict[str, str] | None = None) -> Precision:
+    """``mixed_precision_param = auto``: bf16 on GPUs and on CPUs with native bf16 (``cpu_has_native_bf16``);
+    fp32 on other CPUs, where bf16 is emulated and slower than fp32. Without data parallel no wrapper casts the
+    weights, so a bf16 forward runs under autocast."""
+    training = config.training
+    name = training.mixed_precision_param
+    if name == "auto":
+        if device_type == "cuda":
+            param_dtype, why = torch.bfloat16, "auto: GPU"
+        elif device_type == "cpu" and cpu_has_native_bf16():
+            param_dtype, why = torch.bfloat16, "auto: this CPU has native bf16"
+        else:
+            param_dtype, why = torch.float32, "auto: this CPU emulates bf16, slower than fp32"
+        if reasons is not None:
+            reasons["dtype"] = why
+    else:
+        param_dtype = DTYPES[name]
+    autocast = param_dtype if not dims.dp_enabled and param_dtype != torch.float32 else None
+    return Precision(param_dtype=param_dtype, reduce_dtype=DTYPES[training.mixed_precision_reduce],
+                     autocast_dtype=autocast)
+
+
+def choose_gather_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str, str] | None = None) -> str:
+    """``per_microbatch`` or ``once_per_step`` (``[parallelism] fsdp_gather``, ``parallel/step_gather.py``).
+    ``auto``: once per step under pipeline parallel with sharded weights (a stage's weights are a fraction of
+    the model; the 405B dry run: 4,624 all-gathers per step -> 34, fits in 80 GiB); per microbatch otherwise,
+    where holding the unsharded model would give up what sharding saves. Raises the ConfigError of a layout
+    that cannot gather once per step."""
+    parallelism = config.parallelism
+    choice = parallelism.fsdp_gather
+    if not dims.dp_enabled or parallelism.fsdp_implementation != "simple":
+        if choice == "once_per_step":
+            raise ConfigError(
+                "[parallelism] fsdp_gather = 'once_per_step' needs SimpleFSDP with data parallel "
+                "(fsdp_implementation = 'simple' and a dp degree > 1); FSDP2 under pipeline parallel already "
+                "reduces once per step. Use fsdp_gather = 'auto'."
+            )
+        return "per_microbatch"
+    schedule = parallelism.pipeline_parallel_schedule
+    if dims.pp > 1 and schedule in ZERO_BUBBLE_SCHEDULES:
+        if choice == "once_per_step":
+            raise ConfigError(
+                f"[parallelism] fsdp_gather = 'once_per_step' does not work with pipeline_parallel_schedule = "
+                f"{schedule!r} (its split backward computes weight gradients of the stored parameters, not of "
+                "held weights); use fsdp_gather = 'auto' or another schedule."
+            )
+        if choice == "auto" and reasons is not None:
+            reasons["gather"] = "auto: zero-bubble schedule"
+        return "per_microbatch"
+    if choice != "auto":
+        return choice
+    sharded = dims.data_parallel_mode != "replicate"
+    mode = "once_per_step" if dims.pp > 1 and sharded else "per_microbatch"
+    if reasons is not None:
+        reasons["gather"] = ("auto: a pp rank holds one stage" if mode == "once_per_step"
+                             else "auto: " + ("replicated weights" if dims.pp > 1 else "no pipeline"))
+    return mode
+
+
+def choose_reshard_after_forward(config: JobConfig, dims: ParallelDims, gather_mode: str,
+                                 reasons: dict[str, str] | None = None) -> bool:
+    """``fsdp_reshard_after_forward``; ``default``: reshard except under pipeline parallel."""
+    if gather_mode == "once_per_step":
+        if reasons is not None:
+            reasons["reshard"] = "held for the whole step"
+        return False  # the weights are held for the whole step: there is nothing to free after forward
+    choice = config.parallelism.fsdp_reshard_after_forward
+    if choice == "default":
+        # Under PP, resharding would add a second all-gather per microbatch (in its backward) to the one
+        # every microbatch forward already does: SimpleFSDP gathers inside each forward, so it gathers once
+        # per microbatch, not once per step as FSDP2 does (see docs/dry_run.md: 16x FSDP2's all-gather
+        # traffic for the 405B config). Keeping the gathered weights for backward halves that.
+        if reasons is not None:
+            reasons["reshard"] = "default: " + ("pipeline parallel" if dims.pp > 1 else "no pipeline")
+        return dims.pp == 1
+    return choice == "always"
+
+
+def uses_loss_parallel(config: JobConfig, dims: ParallelDims) -> bool:
+    """Whether the model returns vocab-sharded logits, so the loss (and its backward) must run under
+    ``tensor_parallel.loss_parallel_context(True)``."""
+    return dims.tp > 1 and not config.parallelism.disable_loss_parallel
+
+
+def choose_compile_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str, str] | None = None) -> str:
+    """``off``, ``per_block``, ``regional``, ``whole`` or ``whole_with_loss`` (``parallel/compile.CompilePlan``).
+
+    Each transformer block compiles on its own with FSDP2, whose hooks break a whole-model graph (fullgraph
+    fails in torch 2.13); and under the zero-bubble pipeline schedules, whose split backward gives wrong weight
+    gradients through a whole compiled stage (measured: some are 0). Tensor parallel inside pipeline stages
+    compiles whole with every other schedule: a rank running several stages failed to until each rank used one
+    ``tp`` mesh object (``dims.tensor_parallel_mesh``; scripts/repro_tp_pp_whole_stage_compile.py).
+    ``[compile] regional`` asks for one compiled code for every region of ``regional_blocks`` blocks (SimpleFSDP
+    layouts that would compile whole; the loss then runs eagerly).
+    The loss compiles with the model (one graph: Inductor fuses the fp32 cross-entropy) without pipeline
+    parallel (the schedule calls the loss) and tensor parallel (the loss runs on DTensors under loss_parallel).
+    """
+    compile_config, parallelism = config.compile, config.parallelism
+    if not compile_config.enable:
+        return "off"
+    check_compiles_stay_in_their_stage(dims)
+    schedule = parallelism.pipeline_parallel_schedule
+    per_block_because = None
+    if parallelism.fsdp_implementation != "simple":
+        per_block_because = "FSDP2's hooks break a whole-model graph"
+    elif dims.pp > 1 and schedule in ZERO_BUBBLE_SCHEDULES:
+        per_block_because = f"{schedule} splits the backward"
+    if per_block_because is not None:
+        if reasons is not None:
+            reasons["compile"] = per_block_because
+        defaults = type(compile_config)()
+        if (compile_config.bucketing, compile_config.reorder) != (defaults.bucketing, defaults.reorder):
+            logger.warning(
+                "[compile] bucketing = %r, reorder = %s ignored: this layout compiles each transformer block on "
+                "its own (FSDP2 or a zero-bubble schedule), so there is "
+                "no whole-step graph to bucket or reorder.", compile_config.bucketing, compile_config.reorder,
+            )
+        return "per_block"
+    if compile_config.regional:
+        return "regional"
+    return "whole_with_loss" if dims.pp == 1 and dims.tp == 1 else "whole"
+
+
+def check_compiles_stay_in_their_stage(dims: ParallelDims) -> None:
+    """Pipeline stages compile one after another while the other stages wait in a receive, so a compile must not
+    run collectives over all ranks. The settings that make it do so (an environment variable or torch config a user
+    set; ``parallel/torch_private.cross_rank_compile_settings``) stop the run here instead of deadlocking it."""
+    if dims.pp > 1 and (settings := cross_rank_compile_settings()):
+        raise ConfigError(
+            f"[compile] enable under pipeline parallel: {', '.join(settings)} makes every compile run collectives "
+            "over all ranks, which deadlocks pipeline stages (they compile one after another); turn it off."
+        )
+
+
+def choose_async_tensor_parallel(config: JobConfig, dims: ParallelDims, device_type: str) -> bool:
+    """``[parallelism] enable_async_tensor_parallel``, or the one-line error of a run it cannot apply to: it is an
+    Inductor pass over compiled graphs (the inductor backend), it fuses tensor-parallel collectives (tp > 1), and
+    its fused kernels run on symmetric memory over NCCL (CUDA). On a CPU the pass would match the patterns and
+    then fuse nothing, so a CPU run says so instead of pretending."""
+    if not config.parallelism.enable_async_tensor_parallel:
+        return False
+    missing = []
+    if dims.tp == 1:
+        missing.append("tensor_parallel_degree > 1")
+    if not config.compile.enable or config.compile.backend != "inductor":
+        missing.append("[compile] enable = true with backend = 'inductor'")
+    if device_type != "cuda":
+        missing.append(f"NVIDIA GPUs (this run is on {device_type})")
+    if missing:
+        raise ConfigError(
+            "[parallelism] enable_async_tensor_parallel = true needs " + " and ".join(missing)
+            + "; set it to false."
+        )
+    return True
+
+
+def choose_loss_chunks(config: JobConfig, compile_mode: str, reasons: dict[str, str] | None = None) -> int:
+    """``[training] loss_chunks`` where the loss runs eagerly (including tensor-parallel and last-stage losses
+    next to a compiled model); 1 where the step compiles the loss with the model: Inductor's fused cross-entropy
+    already keeps no fp32 copy of the logits, and the chunks there only cost (measured on CPU, debug model:
+    +6 s compile, 6% fewer tokens/s, no smaller peak; docs/benchmarks.md)."""
+    chunks = config.training.loss_chunks
+    if compile_mode == "whole_with_loss" and chunks > 1:
+        if reasons is not None:
+            reasons["loss"] = "fused by Inductor, loss_chunks not needed"
+        return 1
+    return chunks
+
+
+def plan_validation(config: JobConfig, dims: ParallelDims, pipeline: PipelinePlan | None) -> ValidationPlan | None:
+    """``[validation]``'s batch shape (-1: as ``[training]``), checked against the layout; None when off."""
+    validation, training = config.validation, config.training
+    if not validation.enable:
+        return None
+    local_batch = training.local_batch_size if validation.local_batch_size == -1 else validation.local_batch_size
+    seq_len = training.seq_len if validation.seq_len == -1 else validation.seq_len
+    if seq_len % dims.tp:
+        raise ConfigError(
+            f"[validation] seq_len = {seq_len} is not a multiple of [parallelism] tensor_parallel_degree "
+            f"= {dims.tp}; sequence parallel splits every sequence evenly."
+        )
+    if pipeline is not None and local_batch % pipeline.n_microbatches:
+        raise ConfigError(
+            f"[validation] local_batch_size = {local_batch} must be a multiple of the pipeline's "
+            f"{pipeline.n_microbatches} microbatches ([training] local_batch_size / "
+            f"[parallelism] pipeline_parallel_microbatch_size)."
+        )
+    return ValidationPlan(local_batch_size=local_batch, seq_len=seq_len)

@@ -1,0 +1,113 @@
+"""Measuring primitives shared by ``dry_run/``, ``parallel/`` and ``scripts/``: how long a matmul, a copy and an
+all-gather take on this machine, the slowest rank's figures, and the live tensor-storage byte counter.
+
+The timing pieces are defined in ``parallel/timing.py`` (``parallel/`` imports nothing from ``dry_run/``) and
+re-exported here; the memory piece, ``LiveStorageBytes``, is defined here.
+
+Each caller keeps its own method (sizes, repetitions, mean or median or least, barriers or not) and its own
+formulas on top; only the pieces are here:
+
+* ``CpuRuntimeEstimator.calibrate`` (``compile/cpu_cost_model.py``, from ``parallel/timing.py`` directly):
+  Inductor's CPU runtime model;
+* ``measure_rates`` (``dry_run/cpu_check.py``): the rates the dry run is checked against;
+* ``measure_cpu`` (``dry_run/hardware.py``): this CPU as the dry run's ``DeviceSpec``;
+* ``matmul_flops_per_second`` (``scripts/benchmark.py``): the matmul rate MFU is taken against;
+* ``LiveStorageBytes``: the base of ``dry_run/tracer.py``'s ``StepTracer`` (the dry run) and
+  ``scripts/measure_memory.py``'s ``LiveTensorBytes``.
+
+(``dry_run/cpu_check.py`` is the whole measured-step check; this module only holds its tools.)
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from titan_simple.parallel.timing import (
+    FP32_BYTES,
+    all_gather_seconds,
+    copy_bytes,
+    copy_seconds,
+    matmul_flops,
+    matmul_seconds,
+    max_over_ranks,
+    seconds_of_each_call,
+    seconds_per_call,
+    torch_threads,
+)
+
+__all__ = [
+    "FP32_BYTES",
+    "LiveStorageBytes",
+    "all_gather_seconds",
+    "copy_bytes",
+    "copy_seconds",
+    "matmul_flops",
+    "matmul_seconds",
+    "max_over_ranks",
+    "seconds_of_each_call",
+    "seconds_per_call",
+    "torch_threads",
+]
+
+# ------------------------------------------------------------------------------------------ memory
+
+
+class LiveStorageBytes(TorchDispatchMode):
+    """The bytes of the distinct tensor storages alive: each storage is counted once, however many views share
+    it (storages are keyed by their C++ object), and stops counting when it is freed (a weakref finalizer on
+    the storage). ``sample(op)`` updates the peak, the op (and phase) after which it was reached, and the
+    peak of the current ``phase``.
+
+    A base for dispatch modes that sit under DTensor: subclasses decide which tensors count
+    (``_storage_of``) and what ``__torch_dispatch__`` records, calling ``track`` on the tensors an op touches
+    and then ``sample``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "start"
+        self.live = 0
+        self.peak = 0
+        self.phase_peaks: dict[str, int] = {}
+        self.peak_at = ""  # the op (and phase) after which the live total peaked
+        self._sizes: dict[int, int] = {}
+
+    def _storage_of(self, t: object) -> torch.UntypedStorage | None:
+        """The storage ``t`` counts with, or ``None`` when it does not count."""
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return None
+        return t.untyped_storage()
+
+    def track(self, t: object) -> None:
+        """Count ``t``'s storage as alive (once) until it is freed."""
+        storage = self._storage_of(t)
+        if storage is None:
+            return
+        key = storage._cdata
+        if key in self._sizes:
+            return
+        nbytes = storage.nbytes()
+        self._sizes[key] = nbytes
+        self.live += nbytes
+        weakref.finalize(storage, self._forget, key)
+
+    def _forget(self, key: int) -> None:
+        self.live -= self._sizes.pop(key, 0)
+
+    def sample(self, op: str = "") -> None:
+        if self.live > self.peak:
+            self.peak, self.peak_at = self.live, f"{self.phase}: {op}"
+        self.phase_peaks[self.phase] = max(self.phase_peaks.get(self.phase, 0), self.live)
+
+    def set_phase(self, name: str) -> None:
+        self.phase = name
+        self.sample()
+
+    def reset_peaks(self) -> None:
+        self.peak = self.live
+        self.phase_peaks = {}

@@ -1,0 +1,315 @@
+"""The training loop: build everything once, then ``for step: batch -> forward/backward -> clip -> step -> log``."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from titan_simple.compile.cache import describe_compile_cache, use_compile_cache
+from titan_simple.compile.compiler import comm_plan_recorders
+from titan_simple.config import JobConfig, resolve_project_path
+from titan_simple.core.assemble import build_run
+from titan_simple.core.device_peaks import peak_flops_per_second
+from titan_simple.core.plan import resolve_plan
+from titan_simple.core.step import StepResult
+from titan_simple.data import Tokenizer, build_dataloader
+from titan_simple.errors import NonFiniteTraining
+from titan_simple.models.from_config import check_vocabulary
+from titan_simple.parallel.dims import dp_rank_and_size
+from titan_simple.trainer.checkpoint import CheckpointManager, TrainProgress
+from titan_simple.trainer.distributed import (
+    DistInfo,
+    init_process_group,
+    prepare_process_environment,
+    read_launch_environment,
+    set_timeouts,
+)
+from titan_simple.trainer.fault_tolerance import ReplicaGroups, check_fault_tolerance, log_folder
+from titan_simple.trainer.metrics import (
+    MemoryMonitor,
+    MetricsLogger,
+    StepTimer,
+    global_avg_and_max,
+)
+from titan_simple.trainer.profiling import Profiler
+from titan_simple.trainer.replica_state import Progress, ReplicaState
+from titan_simple.trainer.run_status import RunStatus
+from titan_simple.trainer.validation import Validator
+
+logger = logging.getLogger("titan_simple")
+
+
+class Trainer:
+    """Builds everything once (the plan and its checks first, then the process group, mesh, data, model parts,
+    optimizer, the step, metrics and checkpoint), then ``train()`` runs the loop. ``self.plan`` is every
+    decision of the run (``core/plan.py``); ``self.step_fn`` the training step (``core/step.py``), whose
+    ``hooks`` let a caller watch it."""
+
+    def __init__(self, config: JobConfig, dist_info: DistInfo | None = None) -> None:
+        self.config = config
+        training = config.training
+        self.dist = dist_info or read_launch_environment()
+        self.device = self.dist.device
+        # Every decision and every check that needs no communication comes before the process group exists.
+        self.plan = resolve_plan(config, self.dist.world_size, self.device.type)
+        self.dims = self.plan.dims
+        ft = config.fault_tolerance
+        # Fault tolerance: one replica group of several; its lighthouse is checked before anything expensive.
+        self.lighthouse = check_fault_tolerance(config, self.dims) if ft.enable else None
+        # Each group logs into its own folder (its ranks are numbered like every other group's); checkpoints stay
+        # shared in dump_folder: any group restores them.
+        self.log_folder = log_folder(config)
+        self.gradient_accumulation_steps = self.plan.accumulation_steps
+        # Before CUDA starts and before the process group exists: torch reads these variables once.
+        for line in [*self.plan.describe(), *prepare_process_environment(config, self.device.type)]:
+            logger.info(line)
+        if self.plan.compile.enabled:  # before anything compiles: torch reads the folder once
+            use_compile_cache(self.plan.compile.cache_dir)
+        self.tokenizer = Tokenizer(resolve_project_path(config.model.tokenizer_path))  # fails fast on a bad path
+        check_vocabulary(config, self.plan.model_args, self.tokenizer.vocab_size)
+        if training.deterministic:
+            # Before the process group: ProcessGroupNCCL's constructor disables NCCL's NVLS algorithms (whose
+            # reductions are not deterministic) only when deterministic mode is already on (read in pytorch's
+            # ProcessGroupNCCL.cpp constructor, "If deterministic mode is enabled ... NCCL_ALGO=^NVLS"; the CPU
+            # wheel of 2.13 ships no CUDA library to confirm it in).
+            torch.use_deterministic_algorithms(True)
+        init_process_group(self.dist, config.comm.init_timeout_seconds)
+        torch.manual_seed(training.seed)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        # The mesh's groups start with torch's default timeout, not the default group's: give them the start-up one.
+        self.process_groups = self.dims.process_groups(self.mesh)
+        set_timeouts(self.process_groups, config.comm.init_timeout_seconds)
+        self._start_up_timeout = True  # until the first step has ended on every rank (train())
+        self._validated = False
+        self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh, self.dims)
+        # Which rows of each global batch this rank reads: with fault tolerance, group g's ranks read the block the
+        # dp ranks g x dp .. (g + 1) x dp - 1 of the whole job would read.
+        data_rank = self.dp_rank + (ft.replica_id * self.dp_size if ft.enable else 0)
+        data_ranks = self.dp_size * (ft.group_size if ft.enable else 1)
+
+        self.dataloader = build_dataloader(
+            dataset=training.dataset,
+            dataset_path=training.dataset_path,
+            tokenizer=self.tokenizer,
+            seq_len=training.seq_len,
+            local_batch_size=training.local_batch_size,
+            dp_rank=data_rank,
+            dp_world_size=data_ranks,
+            # The layout-invariant order: global sample ids (data/sample_index.py).
+            global_rows=self.plan.data.global_rows,
+            shuffle_seed=self.plan.data.shuffle_seed,
+            cache=self.plan.data.cache,
+        )
+        # Fault tolerance: a step feature that averages over the replica groups; it joins them after the checkpoint.
+        self.replicas = ReplicaGroups(
+            config, rank=self.dist.rank, world_size=self.dist.world_size, device=self.device,
+            lighthouse=self.lighthouse, dump_folder=self.log_folder) if ft.enable else None
+        self.run = build_run(self.plan, self.device, mesh=self.mesh,
+                             features=[self.replicas] if self.replicas is not None else [])
+        self.parts, self.optimizer, self.lr_scheduler = self.run.parts, self.run.optimizer, self.run.lr_scheduler
+        self.step_fn = self.run.step
+        self.model_parts = self.parts.modules
+        self.model, self.pipeline = self.parts.model, self.parts.pipeline  # model: None under pipeline parallel
+        self.num_params, self.flops_per_token = self.parts.num_params, self.parts.flops_per_token
+        self.metrics = MetricsLogger(
+            self.log_folder, rank=self.dist.rank, enable_tensorboard=config.metrics.enable_tensorboard,
+            save_tb_folder=config.metrics.save_tb_folder,
+            # float8 matmuls run at twice bf16's peak; MFU counts the model's FLOPs against bf16's (plan line too)
+            mfu_note=" (float8 run, of the bf16 peak)" if self.plan.float8 is not None else "",
+        )
+        self.memory = MemoryMonitor(self.device)
+        self.validator = Validator(
+            self.plan, tokenizer=self.tokenizer, dp_rank=self.dp_rank, dp_size=self.dp_size, device=self.device,
+            model=self.model, pipeline=self.pipeline,
+        ) if self.plan.validation is not None else None
+        self.profiler = Profiler(config.profiling, self.log_folder, rank=self.dist.rank, device=self.device)
+        self.peak_flops = peak_flops_per_second(self.device)
+        self.step = 0
+        self.losses: list[float] = []  # global average loss of every step, for tests and summaries
+        self._stop_signal = 0  # the first SIGINT / SIGTERM this rank received, 0 if none
+        self.run_status = RunStatus(self.log_folder, rank=self.dist.rank, steps=training.steps)
+        self._log_summary()
+        self.tokens_seen = 0
+        self.checkpoint = CheckpointManager(
+            config, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            dataloader=self.dataloader, model_args=self.parts.model_args, dp_rank=self.dp_rank,
+            dp_size=self.dp_size, device=self.device,
+            special_tokens={"bos_token_id": self.tokenizer.bos_id, "eos_token_id": self.tokenizer.eos_id},
+        )
+        resumed = self.checkpoint.load()  # model, optimizer, schedule, data position, RNG: all built by now
+        if resumed is not None:
+            self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
+        if self.replicas is not None:  # after the checkpoint: the groups compare steps, one behind heals from a peer
+            params = [p for part in self.model_parts for p in part.parameters()]
+            self.replicas.connect(ReplicaState(params, self.optimizer, self.lr_scheduler, self._ft_progress))
+
+    def _log_summary(self) -> None:
+        stages = ("" if self.pipeline is None else
+                  " (this rank's stages: " + ", ".join(str(s.stage_index) for s in self.pipeline.stages) + ")")
+        logger.info("built: %s parameters on %s%s | dataset %s | dump %s", f"{self.num_params:,}", self.device,
+                    stages, self.config.training.dataset, self.config.job.dump_folder)
+
+    # ------------------------------------------------------------------------------------------ step
+
+    def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        """One step (``self.step_fn``); a non-finite gradient norm stops the run or, with
+        ``skip_nonfinite_steps``, skips the update with a warning."""
+        result = self.step_fn(batches)
+        if not result.applied and result.committed:
+            self._handle_nonfinite(float(result.grad_norm))
+        return result
+
+    def _handle_nonfinite(self, grad_norm: float) -> None:
+        """Skip the step (``skip_nonfinite_steps``) or stop before anything poisoned reaches a checkpoint."""
+        if self.config.training.skip_nonfinite_steps:
+            logger.warning("step %d: gradient norm %s is not finite; skipping this optimizer step",
+                           self.step, grad_norm)
+            return
+        last_good = self.checkpoint.latest_complete()
+        restart = (f"the last good checkpoint is {last_good}. Lower [optimizer] lr or raise warmup and resume from "
+                   "it" if last_good else "no checkpoint was saved. Lower [optimizer] lr or raise warmup and start "
+                   "again")
+        raise NonFiniteTraining(
+            f"step {self.step}: the loss or gradient norm is {grad_norm} (not finite); {restart}, or set [training] "
+            "skip_nonfinite_steps = true to skip such steps."
+        )
+
+    # ------------------------------------------------------------------------------------------ loop
+
+    def _validate(self) -> dict[str, float]:
+        """One validation. The first one of a compiled run compiles the forward-only graphs (under pipeline
+        parallel one stage after another, while the other stages wait): it runs under the start-up timeout, until
+        the step's closing all-reduce shows every rank is done with it."""
+        assert self.validator is not None
+        if self.plan.compile.enabled and not self._validated:
+            set_timeouts(self.process_groups, self.config.comm.init_timeout_seconds)
+            self._start_up_timeout = True
+        self._validated = True
+        return self.validator.validate()
+
+    def _request_stop(self, signum: int, _frame: Any) -> None:
+        logger.warning("received %s: stopping after this step", signal.Signals(signum).name)
+        self._stop_signal = self._stop_signal or signum
+
+    def _stop_signal_of_any_rank(self) -> signal.Signals | None:
+        """The signal a stop was requested with on any rank (the larger number if they differ), None if none:
+        every rank stops after the same step, even when only some received the signal."""
+        flag = torch.tensor([float(self._stop_signal)], device=self.device)
+        if self.dist.is_distributed:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return signal.Signals(int(flag.item())) if flag.item() else None
+
+    def _write_end_status(self, stop_signal: signal.Signals | None) -> None:
+        """``run_status.json`` once the loop is over and every save is on disk (``trainer/run_status.py``)."""
+        steps = self.config.training.steps
+        checkpoint = self.checkpoint.latest_complete() if self.config.checkpoint.enable else None
+        checkpoint = str(checkpoint) if checkpoint else None
+        if stop_signal is not None and self.step < steps:
+            self.run_status.write("stopped", self.step, signal=stop_signal.name, checkpoint=checkpoint)
+        else:
+            self.run_status.write("finished", self.step, checkpoint=checkpoint)
+
+    def _progress(self) -> TrainProgress:
+        return TrainProgress(step=self.step, tokens_seen=self.tokens_seen)
+
+    def _ft_progress(self) -> Progress:
+        return Progress(step=self.step, tokens_seen=self.tokens_seen, consumed_samples=self.dataloader.dataset.consumed)
+
+    def _join_replica_quorum(self, data_iter: Any) -> Any:
+        """Fault tolerance: this step's quorum of live groups. A group that was behind has just received a peer's
+        weights, optimizer state and schedule; it takes the peer's progress and data position too."""
+        assert self.replicas is not None
+        healed = self.replicas.start_step(self.step)
+        if healed is None:
+            return data_iter
+        self.step, self.tokens_seen = healed.step, healed.tokens_seen
+        self.dataloader.dataset.resume_at(healed.consumed_samples)
+        return iter(self.dataloader)
+
+    def train(self) -> list[float]:
+        steps, log_freq = self.config.training.steps, self.config.metrics.log_freq
+        if self.config.checkpoint.create_seed_checkpoint:
+            self.checkpoint.save_seed()
+            return []
+        previous_handlers = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        data_iter = iter(self.dataloader)
+        resumed_at = self.step
+        timer = StepTimer()
+        self.memory.reset_peak()
+        self.profiler.start(first_step=self.step)
+        self.run_status.write("running", self.step)
+        stop_signal = None
+        try:
+            while self.step < steps:
+                if self.replicas is not None:
+                    data_iter = self._join_replica_quorum(data_iter)
+                    if self.step >= steps:  # healed from a group that had finished
+                        break
+                consumed_before = self.dataloader.dataset.consumed
+                self.step += 1
+                with timer.data_loading():
+                    batches = [next(data_iter) for _ in range(self.gradient_accumulation_steps)]
+                with self.profiler.dump_on_oom(self.step):
+                    result = self.train_step(batches)
+                if not result.committed:  # a peer group failed mid-step: retry the step, on the same rows
+                    self.step -= 1
+                    self.dataloader.dataset.resume_at(consumed_before)
+                    data_iter = iter(self.dataloader)
+                    continue
+                if self.step == resumed_at + 1 and self.plan.compile.enabled:  # every graph is compiled by now
+                    compiled = self.step_fn.compiled_modules()
+                    logger.info(describe_compile_cache(comm_plan_recorders(compiled)))
+                # Tokens per device: ranks that split one batch (tensor / pipeline parallel) share its tokens.
+                timer.step_done(result.global_tokens // self.dist.world_size)
+                avg_loss, max_loss = global_avg_and_max(result.local_mean)
+                self.losses.append(avg_loss)
+                live_groups = self.replicas.live_groups if self.replicas is not None else 1
+                self.tokens_seen += result.global_tokens * live_groups
+                if self.step == 1 or self.step % log_freq == 0 or self.step == steps:
+                    metrics = {
+                        "loss_metrics/global_avg_loss": avg_loss,
+                        "loss_metrics/global_max_loss": max_loss,
+                        "grad_norm": result.grad_norm.item(),
+                        "lr": result.lr,
+                        **timer.window_metrics(self.flops_per_token, self.peak_flops),
+                        **self.memory.read(),
+                        **(self.replicas.metrics() if self.replicas is not None else {}),
+                    }
+                    self.metrics.log(self.step, metrics, total_steps=steps,
+                                     eta_seconds=timer.eta_seconds(steps - self.step))
+                    self.memory.reset_peak()
+                self.profiler.step(self.step)  # before validation: traces show training steps only
+                if self.validator is not None and self.validator.due(self.step, steps):
+                    with timer.excluded():  # not part of the training throughput
+                        self.metrics.log(self.step, self._validate(), total_steps=steps)
+                if self.replicas is not None:
+                    self.replicas.step_done(self.step)
+                # With fault tolerance one group writes the shared checkpoints (the first in the quorum).
+                writes = self.replicas is None or self.replicas.writes_checkpoints()
+                self.checkpoint.save(self._progress(), last=self.step == steps, write=writes)
+                stop_signal = self._stop_signal_of_any_rank()
+                if self._start_up_timeout:  # every rank got past this step's all-reduce: none is still compiling
+                    set_timeouts(self.process_groups, self.config.comm.train_timeout_seconds)
+                    self._start_up_timeout = False
+                if stop_signal is not None:
+                    # nothing to do if this step just saved
+                    self.checkpoint.save(self._progress(), force=True, write=writes)
+                    logger.warning("stopped at step %d of %d on request", self.step, steps)
+                    break
+            self.checkpoint.close()  # a background save still running
+        except BaseException as error:
+            self.run_status.write_failure(self.step, error)
+            raise
+        finally:
+            for s, handler in previous_handlers.items():
+                signal.signal(s, handler)
+            self.profiler.stop()
+            self.metrics.close()
+            if self.replicas is not None:
+                self.replicas.shutdown()
+        self._write_end_status(stop_signal)
+        return self.losses
