@@ -18,7 +18,6 @@ import sys
 from pathlib import Path
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(PROJECT_DIR))  # run as a plain script from anywhere
 
 from titan_simple.errors import ConfigError, UserError  # noqa: E402
 

@@ -56,7 +56,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(PROJECT_DIR))  # run as a plain script from anywhere
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -8,7 +8,7 @@
 #   bash scripts/gpu_session.sh OUT_DIR rowwise_probe  # issue 43: step-1 gradient norms of float8 rowwise, fixed
 #                                                      # and not, against bf16: about 5 minutes on one H100
 #   bash scripts/gpu_session.sh OUT_DIR torchtitan     # issue 43: TorchTitan (FSDP2, SimpleFSDP) and titan_simple
-#                                  # side by side, scripts/torchtitan_side_by_side.sh (carry .gpu/wheels): < 8 min
+#                                  # side by side, scripts/benchmarks/torchtitan_side_by_side.sh (carry .gpu/wheels): < 8 min
 #
 # The single-GPU session. Phase 1 (jobs side by side, each under its own time limit; only correctness is read from them):
 #   gpu_check      scripts/gpu_check.py on the visible GPU (compile vs eager in bf16, memory, MFU, DCP, trace)
@@ -36,6 +36,8 @@ OUT_DIR=${1:?usage: gpu_session.sh OUT_DIR [single|float8]}
 SESSION=${2:-single}
 LOGS=$(mktemp -d)
 cd "$(dirname "$0")/.."
+# The scripts import titan_simple from this checkout: a GPU machine may run them without installing it.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 TORCHINDUCTOR_COMPILE_THREADS=4
 TRAIN=(${TORCHRUN:-"${PYTHON:-python3}" -m torch.distributed.run} --standalone --nproc_per_node=1 train.py)
 DEBUG=(--model.flavor=debugmodel --model.tokenizer_path=assets/tokenizer/shakespeare_bpe_2k.json
@@ -84,8 +86,8 @@ if [ "$SESSION" = planner ]; then  # issue 33: does the dry run rank one GPU's l
   exit 0
 fi
 
-if [ "$SESSION" = torchtitan ]; then  # prepared here by scripts/prepare_torchtitan_wheels.sh
-  exec bash scripts/torchtitan_side_by_side.sh "$OUT_DIR"
+if [ "$SESSION" = torchtitan ]; then  # prepared here by scripts/benchmarks/prepare_torchtitan_wheels.sh
+  exec bash scripts/benchmarks/torchtitan_side_by_side.sh "$OUT_DIR"
 fi
 
 if [ "$SESSION" = rowwise_probe ]; then  # issue 43: rowwise diverged on this job (grad norm 306 vs bf16's 3.15)

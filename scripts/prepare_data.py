@@ -14,9 +14,6 @@ import argparse
 import logging
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from titan_simple.config import load_job_config, resolve_project_path  # noqa: E402
 from titan_simple.data.datasets import data_cache_folder, open_store  # noqa: E402

@@ -20,9 +20,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from titan_simple.config import load_job_config  # noqa: E402
 from titan_simple.errors import UserError  # noqa: E402

@@ -11,13 +11,11 @@ and ``<|end_of_text|>``, then the 256 byte tokens, then the learned merges. Same
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(PROJECT_DIR))  # run as a plain script from anywhere
 
 from titan_simple.data.datasets import shakespeare_files  # noqa: E402
 from titan_simple.data.tokenizer import BEGIN_OF_TEXT, END_OF_TEXT, byte_level_pre_tokenizer  # noqa: E402

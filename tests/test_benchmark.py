@@ -1,4 +1,4 @@
-"""scripts/benchmark.py: the configuration matrix, the interleaved schedule, the aggregation and table, the
+"""scripts/benchmarks/benchmark.py: the configuration matrix, the interleaved schedule, the aggregation and table, the
 targets, and one real job end to end (torchrun, the Trainer, the worker's JSON)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("benchmark", PROJECT_DIR / "scripts" / "benchmark.py")
+_spec = importlib.util.spec_from_file_location("benchmark", PROJECT_DIR / "scripts" / "benchmarks" / "benchmark.py")
 benchmark = importlib.util.module_from_spec(_spec)
 sys.modules["benchmark"] = benchmark  # dataclasses need the module registered
 _spec.loader.exec_module(benchmark)
@@ -176,7 +176,7 @@ def test_quick_tiny_job_end_to_end(tmp_path):
     """One real job: torchrun, 2 ranks, the Trainer, the worker's JSON read back into a report (~30 s)."""
     out = tmp_path / "bench"
     proc = subprocess.run(
-        [sys.executable, str(PROJECT_DIR / "scripts" / "benchmark.py"), "--quick", "--workloads=tiny",
+        [sys.executable, str(PROJECT_DIR / "scripts" / "benchmarks" / "benchmark.py"), "--quick", "--workloads=tiny",
          "--world-sizes=2", "--configs=fsdp2_eager", "--steps=1", f"--out={out}", f"--plot={tmp_path / 'b.png'}"],
         capture_output=True, text=True, timeout=300, cwd=PROJECT_DIR,
     )

@@ -58,7 +58,8 @@ def _layout(dp_replicate: int = 1, dp_shard: int = 1, tp: int = 1, pp: int = 1, 
 COMPILE = ("--compile.enable",)
 # Compiled layouts run first in each job (historical: a pipelined TP model compiled after the same layout ran
 # eagerly in the process failed with "Node tangents_2 was invalid, but is output"; the cause was two equal but
-# distinct tp DeviceMesh objects, fixed by dims.tensor_parallel_mesh, scripts/repro_tp_pp_whole_stage_compile.py).
+# distinct tp DeviceMesh objects, fixed by dims.tensor_parallel_mesh,
+# docs/research/repro/repro_tp_pp_whole_stage_compile.py).
 # tp2 x pp2 compiled is the 8-process layout's (with dp_shard2) and the 405B config test's (Interleaved1F1B).
 FOUR_RANK_CONFIGS = {
     "dp_replicate2_tp2/compiled": _layout(2, 1, 2, 1, *COMPILE),

@@ -3,7 +3,7 @@
 
 Dry runs and searches run through ``train.py`` in their own processes, as a user runs them (a process holds one
 fake world). The searches here plan the debug model, whose traces take milliseconds; the real searches (8B on 8,
-70B on 256, 405B on 512 GPUs) are timed by ``scripts/benchmark_search.py`` (docs/dry_run.md).
+70B on 256, 405B on 512 GPUs) are timed by ``scripts/benchmarks/benchmark_search.py`` (docs/dry_run.md).
 """
 
 from __future__ import annotations

@@ -224,8 +224,9 @@ def test_the_replica_nccl_group_aborts_communicators_instead_of_ending_the_proce
 def test_a_2gb_heal_over_the_replica_group_finishes_within_the_recovery_timeout():
     """A rank's 2.15 GB of state sent to a healing rank through torchft's process-group transport over the replica
     group, as titan_simple builds it (gloo here), received in place and checked bitwise, within the timeout the code
-    derives for that size (measured: docs/fault_tolerance.md, scripts/benchmark_heal.py)."""
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark_heal.py"), "--gb", "2", "--transports",
+    derives for that size (measured: docs/fault_tolerance.md, scripts/benchmarks/benchmark_heal.py)."""
+    heal_script = REPO / "scripts" / "benchmarks" / "benchmark_heal.py"
+    result = subprocess.run([sys.executable, str(heal_script), "--gb", "2", "--transports",
                              "pg"], capture_output=True, text=True, timeout=900, cwd=REPO)
     assert result.returncode == 0, result.stderr[-3000:]
     row = [cells.strip() for cells in result.stdout.strip().splitlines()[-1].strip("|").split("|")]

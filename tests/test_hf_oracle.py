@@ -43,8 +43,9 @@ LENGTHS = (128, 4096)
 RTOL = 1e-4  # max |d| / max |logit|; measured: about 3e-7 (fp32, different kernels and summation orders)
 SMALL = ["--config", "llama3_debug.toml", "--training.seq_len", "32", "--training.local_batch_size", "2",
          "--lr_scheduler.warmup_steps", "1", "--metrics.enable_tensorboard", "false"]
-# The folders' shapes and RoPE settings are scripts/hf_oracle_check.py's (the same comparison as a table).
-_CHECK = importlib.util.spec_from_file_location("hf_oracle_check", REPO / "scripts" / "hf_oracle_check.py")
+# The folders' shapes and RoPE settings are scripts/benchmarks/hf_oracle_check.py's (the same comparison as a table).
+_CHECK = importlib.util.spec_from_file_location("hf_oracle_check",
+                                                REPO / "scripts" / "benchmarks" / "hf_oracle_check.py")
 ORACLE_CHECK = importlib.util.module_from_spec(_CHECK)
 _CHECK.loader.exec_module(ORACLE_CHECK)
 HF_SHAPE = ORACLE_CHECK.SHAPE  # a debug-sized Llama in transformers' terms (2 blocks, the debug model's widths)

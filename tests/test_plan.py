@@ -46,7 +46,7 @@ LAYERS = {"errors": 0, "config": 1, "models": 2, "data": 3, "parallel": 3, "comp
 
 
 def _sources() -> dict[Path, ast.Module]:
-    files = [*(REPO / "titan_simple").rglob("*.py"), *(REPO / "scripts").glob("*.py"), REPO / "train.py"]
+    files = [*(REPO / "titan_simple").rglob("*.py"), *(REPO / "scripts").rglob("*.py"), REPO / "train.py"]
     return {f: ast.parse(f.read_text()) for f in files}
 
 
@@ -163,7 +163,13 @@ def test_the_assembly_is_written_once_and_everything_calls_it():
     assert {name: callers[name] for name in ASSEMBLY_STEPS} == {
         name: {str(ASSEMBLY_FILE.relative_to(REPO))} for name in ASSEMBLY_STEPS}
     assert {"titan_simple/trainer/trainer.py", "titan_simple/dry_run/rank_step.py", "titan_simple/dry_run/cpu_check.py",
-            "tests/parity.py", "scripts/gpu_check.py", "scripts/measure_memory.py"} <= callers["build_run"]
+            "tests/parity.py", "scripts/gpu_check.py", "scripts/benchmarks/measure_memory.py"} <= callers["build_run"]
+
+
+def test_scripts_import_the_installed_package_without_editing_sys_path():
+    edits = sorted(str(path.relative_to(REPO)) for path in (REPO / "scripts").rglob("*.py")
+                   if "sys.path.insert" in path.read_text() or "sys.path.append" in path.read_text())
+    assert edits == []
 
 
 def test_the_step_imports_no_feature_module():

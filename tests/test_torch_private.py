@@ -88,7 +88,7 @@ def test_the_wrappers_work():
     inspect.signature(private.DeviceMesh._get_root_mesh).bind(None)
 
 
-REPRO_RNG = Path(__file__).resolve().parent.parent / "scripts" / "repro_rng_state_after_device_mesh.py"
+REPRO_RNG = Path(__file__).resolve().parent.parent / "tests" / "repro_rng_state_after_device_mesh.py"
 
 
 def _repro(*args: str) -> subprocess.CompletedProcess:

@@ -65,7 +65,7 @@ class Model:
     )
     n_layers: int = option(
         0, "Transformer blocks, overriding the flavor's (0 = the flavor's): for depth experiments such as "
-        "compile time against depth (scripts/benchmark_compile.py)."
+        "compile time against depth (scripts/benchmarks/benchmark_compile.py)."
     )
     converters: list[str] = option(
         [], "Module swaps applied to the model on the meta device, before tensor parallel and SimpleFSDP: "

@@ -33,7 +33,7 @@ compile time hardly grows with depth. The pass buckets each region (``region_buc
 it, as in the whole-model graph; each region gathers the next region's first weights while its last block
 computes (the hand-off), so that what a compiled graph cannot overlap with anything outside it stays small.
 Compiling a repeated block once *inside* the whole graph is what torch's ``nested_compile_region`` is for, but
-it fails on SimpleFSDP's DTensor gathers in torch 2.13 (``scripts/repro_nested_compile_region.py``;
+it fails on SimpleFSDP's DTensor gathers in torch 2.13 (``docs/research/repro/repro_nested_compile_region.py``;
 docs/benchmarks.md, "Compile time against depth").
 
 The other modules: ``comm_plan.py`` reads the graphs, ``cpu_cost_model.py`` gives the scheduler runtime

@@ -394,7 +394,7 @@ def choose_compile_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str
     fails in torch 2.13); and under the zero-bubble pipeline schedules, whose split backward gives wrong weight
     gradients through a whole compiled stage (measured: some are 0). Tensor parallel inside pipeline stages
     compiles whole with every other schedule: a rank running several stages failed to until each rank used one
-    ``tp`` mesh object (``dims.tensor_parallel_mesh``; scripts/repro_tp_pp_whole_stage_compile.py).
+    ``tp`` mesh object (``dims.tensor_parallel_mesh``; docs/research/repro/repro_tp_pp_whole_stage_compile.py).
     ``[compile] regional`` asks for one compiled code for every region of ``regional_blocks`` blocks (SimpleFSDP
     layouts that would compile whole; the loss then runs eagerly).
     The loss compiles with the model (one graph: Inductor fuses the fp32 cross-entropy) without pipeline

@@ -4,7 +4,7 @@
 processes run* (matmul FLOP/s, copy bandwidth, gloo all-gather bandwidth), builds the model and its training step with
 the trainer's own functions, times a few steps, and traces one more step with the dry run's own ``StepTracer`` on
 real tensors (peak live tensor storage bytes, and every collective issued). Rank 0 writes the result as JSON.
-``scripts/dry_run_cpu_check.py`` and ``tests/test_dry_run.py`` use it.
+``scripts/benchmarks/dry_run_cpu_check.py`` and ``tests/test_dry_run.py`` use it.
 """
 
 from __future__ import annotations

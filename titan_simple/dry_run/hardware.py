@@ -89,7 +89,7 @@ DEVICE_NAMES = (*DEVICES, "cpu")
 def measure_cpu(world_size: int, collective_bandwidth: float | None = None) -> DeviceSpec:
     """This CPU as a "device": matmul rate and copy bandwidth measured here (one process, with the thread
     count each of ``world_size`` processes sharing the cores gets), gloo bandwidth as given (bytes/s,
-    measured by ``scripts/dry_run_cpu_check.py``) or a nominal 1 GB/s. Efficiencies are 1: the rates are
+    measured by ``scripts/benchmarks/dry_run_cpu_check.py``) or a nominal 1 GB/s. Efficiencies are 1: the rates are
     measured, not peaks. Memory capacity: the host's RAM."""
     threads = max(1, (os.cpu_count() or 1) // max(world_size, 1))
     matmul_n, copy_numel = 512, 1 << 22

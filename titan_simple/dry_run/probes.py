@@ -11,9 +11,9 @@ formulas on top; only the pieces are here:
   Inductor's CPU runtime model;
 * ``measure_rates`` (``dry_run/cpu_check.py``): the rates the dry run is checked against;
 * ``measure_cpu`` (``dry_run/hardware.py``): this CPU as the dry run's ``DeviceSpec``;
-* ``matmul_flops_per_second`` (``scripts/benchmark.py``): the matmul rate MFU is taken against;
+* ``matmul_flops_per_second`` (``scripts/benchmarks/benchmark.py``): the matmul rate MFU is taken against;
 * ``LiveStorageBytes``: the base of ``dry_run/tracer.py``'s ``StepTracer`` (the dry run) and
-  ``scripts/measure_memory.py``'s ``LiveTensorBytes``.
+  ``scripts/benchmarks/measure_memory.py``'s ``LiveTensorBytes``.
 
 (``dry_run/cpu_check.py`` is the whole measured-step check; this module only holds its tools.)
 """

@@ -8,7 +8,8 @@ degrees are checked exactly as for training and the device mesh is built. Then, 
 * ``rank_step.trace_rank``: this rank's model parts by the real recipe on the meta device, and one traced
   training step (every op, saved activation and collective, with this rank's shapes; nothing allocated);
 * ``prediction.measure_trace`` / ``finish_report``: the memory / time model over that trace (roofline, collectives,
-  pipeline bubble, MFU), taken on 2 and 3 blocks per stage and carried to the full depth (``extrapolation.plan_report``);
+  pipeline bubble, MFU), taken on 2 and 3 blocks per stage and carried to the full depth
+  (``extrapolation.plan_report``);
 * ``printout.format_report``: the table printed here; the report itself is written as ``dry_run.json``.
 
 How it works and how well it predicts published runs: ``docs/dry_run.md``.

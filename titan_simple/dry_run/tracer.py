@@ -11,7 +11,7 @@ mode) and records:
 
 * **memory**: the bytes of the distinct tensor storages alive (each counted once however many views share it;
   a weakref finalizer on the storage subtracts it when freed), sampled after every op, with per-phase peaks
-  (``probes.LiveStorageBytes``, which ``scripts/measure_memory.py`` shares);
+  (``probes.LiveStorageBytes``, which ``scripts/benchmarks/measure_memory.py`` shares);
 * **ops**: for every op that does work, its FLOPs (``torch.utils.flop_counter``'s formulas) and the bytes it
   reads and writes, and whether it is a matmul, attention or memory-bound op; views and metadata ops are free;
 * **collectives**: kind, process group, payload bytes and dtype of every ``_c10d_functional`` collective.

@@ -310,7 +310,7 @@ def async_tensor_parallel_matches(graph: torch.fx.Graph) -> tuple[int, int]:
 # there: a DTensor parameter's DeviceMesh, which the backward needs to return DTensor gradients. The states then
 # sit after the mesh, the runtime slices the saved tensors by count, and the first compiled step fails with
 # "expected all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh" (full AC and every-N-th-block AC
-# with SimpleFSDP, issue 30; scripts/repro_rng_state_after_device_mesh.py). The wrapper moves the states in front
+# with SimpleFSDP, issue 30; tests/repro_rng_state_after_device_mesh.py). The wrapper moves the states in front
 # of the opaque objects, in both graphs, where the runtime expects them.
 _original_functionalize_rng_ops = partitioners.functionalize_rng_ops
 
@@ -471,11 +471,11 @@ def use_one_gloo_worker_thread() -> None:
     """Every gloo process group created from now on (default, ``new_group``, a DeviceMesh's) runs its collectives
     on one worker thread. torch 2.13's ``ProcessGroupGloo::runLoop`` writes each finished collective's name into a
     string its worker threads share, outside its lock: with torch's two threads, two all-gathers finishing together
-    free one heap buffer twice, and a rank aborts, crashes or hangs later (docs/research/
-    upstream_gloo_worker_thread_race.md; scripts/repro_gloo_abort.py). One thread cost nothing measurable (450 vs
-    456 tokens/s, docs/benchmarks.md). Only ``_Options._threads`` sets the count, and ``_new_process_group_helper``
-    builds gloo backends from the module-level name ``ProcessGroupGloo``: our class stands there only while it
-    runs, so torch's ``isinstance`` checks on the backends it hands back (``_set_pg_timeout``'s) still hold."""
+    free one heap buffer twice, and a rank aborts, crashes or hangs later (evidence, repro and cost:
+    docs/research/upstream_gloo_worker_thread_race.md). Only ``_Options._threads`` sets the count, and
+    ``_new_process_group_helper`` builds gloo backends from the module-level name ``ProcessGroupGloo``: our class
+    stands there only while it runs, so torch's ``isinstance`` checks on the backends it hands back
+    (``_set_pg_timeout``'s) still hold."""
     create = c10d._new_process_group_helper
     if getattr(create, "one_gloo_worker_thread", False):
         return

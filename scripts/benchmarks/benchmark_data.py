@@ -1,8 +1,8 @@
 """The data pipeline at scale: tokenizing into a token store, opening it, and what training from it costs.
 
-    .venv/bin/python scripts/benchmark_data.py --doc            # ~15 min on 2 cores; rewrites docs/benchmarks.md's
+    .venv/bin/python scripts/benchmarks/benchmark_data.py --doc  # ~15 min on 2 cores; rewrites docs/benchmarks.md's
                                                                 # "Data" section
-    .venv/bin/python scripts/benchmark_data.py --build-mb 32 --big-mb 64   # a quick look
+    .venv/bin/python scripts/benchmarks/benchmark_data.py --build-mb 32 --big-mb 64   # a quick look
 
 Corpora (made once under --work, deterministic): ``jsonl`` files of Shakespeare passages (the built-in corpus
 split into paragraphs of ~2-4 KB, each copy numbered so no two documents are equal), ``--build-mb`` for the
@@ -15,8 +15,8 @@ Measured, each in its own process on a quiet machine:
   encoding already runs on every core (``TOKENIZERS_PARALLELISM``); with several, one thread each.
 * **open**: opening the built store again (the median of 20), i.e. what every later run pays.
 * **training**: the debug model, 2 processes, 20 steps (``--training.steps 20``, local batch 8 x seq 2048, as
-  scripts/benchmark.py's memory workload), on the built-in corpus and on the big corpus: peak RSS per rank and the
-  share of the step spent waiting for data (the trainer's own ``time_metrics/data_loading(%)``).
+  scripts/benchmarks/benchmark.py's memory workload), on the built-in corpus and on the big corpus: peak RSS per
+  rank and the share of the step spent waiting for data (the trainer's own ``time_metrics/data_loading(%)``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- benchmark_data: begin -->", "<!-- benchmark_data: end -->"
 TOKENIZER = REPO / "assets" / "tokenizer" / "shakespeare_bpe_2k.json"
@@ -184,7 +183,7 @@ def main() -> None:
 
 def write_doc(builds: list[dict], big: dict, trainings: list[dict], load: float, args: argparse.Namespace) -> None:
     lines = [BEGIN, "",
-             f"`python scripts/benchmark_data.py --doc --build-mb {args.build_mb} --big-mb {args.big_mb}` "
+             f"`python scripts/benchmarks/benchmark_data.py --doc --build-mb {args.build_mb} --big-mb {args.big_mb}` "
              f"({time.strftime('%Y-%m-%d')}, 2 cores, load average {load:.2f} at the start).", "",
              "| token store build | text | documents | tokens | wall s | tokens/s | open (ms) |",
              "|---|---:|---:|---:|---:|---:|---:|"]

@@ -1,7 +1,7 @@
 """Time to the first step against depth, cold and warm (issue 21): what compiling costs a start and a restart.
 
-    .venv/bin/python scripts/benchmark_compile.py --doc                  # 6, 12, 24, 48 blocks; ~25 min on 2 cores
-    .venv/bin/python scripts/benchmark_compile.py --depths 6,24 --out /tmp/compile_bench
+    .venv/bin/python scripts/benchmarks/benchmark_compile.py --doc  # 6, 12, 24, 48 blocks; ~25 min on 2 cores
+    .venv/bin/python scripts/benchmarks/benchmark_compile.py --depths 6,24 --out /tmp/compile_bench
 
 For each depth (``--model.n_layers`` on the debug model) five fresh ``torchrun --nproc_per_node=2 train.py``
 jobs run one after the other on this machine (check that it is quiet first: another job on the 2 cores slows
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
+PROJECT_DIR = Path(__file__).resolve().parents[2]
 DOC = PROJECT_DIR / "docs" / "benchmarks.md"
 BEGIN, END = "<!-- benchmark_compile.py: begin -->", "<!-- benchmark_compile.py: end -->"
 JOB = ["--config", "llama3_debug.toml", "--training.steps", "1", "--metrics.log_freq", "1",
@@ -56,7 +56,6 @@ def worker_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--result", required=True)
     args, overrides = parser.parse_known_args(argv)
-    sys.path.insert(0, str(PROJECT_DIR))
     import torch
 
     from titan_simple.config import load_job_config
@@ -149,7 +148,8 @@ def driver_main(argv: list[str]) -> None:
               flush=True)
     text = (f"Measured {started}, load average {load:.2f} at the start, torch "
             f"{next(iter(results[min(results)].values()))['torch']}, 2 processes (gloo), debug model (dim 256) with "
-            f"`--model.n_layers` blocks, local batch 4 x 128; `python scripts/benchmark_compile.py --doc`.\n\n"
+            f"`--model.n_layers` blocks, local batch 4 x 128; "
+            "`python scripts/benchmarks/benchmark_compile.py --doc`.\n\n"
             + table(results))
     print(text)
     (out / "results.json").write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1))

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # TorchTitan against titan_simple, side by side on one GPU: tokens/s and max reserved memory of the same shape.
 #
-#   bash scripts/prepare_torchtitan_wheels.sh                    # here, once (registry access): .gpu/wheels
-#   bash scripts/torchtitan_side_by_side.sh OUT_DIR              # on the GPU machine (carry .gpu/wheels); < 8 min
-#   bash scripts/torchtitan_side_by_side.sh OUT_DIR --cpu        # the same on CPU, tiny (TT_CPU=1 does the same)
+#   bash scripts/benchmarks/prepare_torchtitan_wheels.sh                    # here, once (registry access): .gpu/wheels
+#   bash scripts/benchmarks/torchtitan_side_by_side.sh OUT_DIR              # on the GPU machine (carry .gpu/wheels); < 8 min
+#   bash scripts/benchmarks/torchtitan_side_by_side.sh OUT_DIR --cpu        # the same on CPU, tiny (TT_CPU=1 does the same)
 #
 # Shape, for all three systems: 4 of Llama 3 8B's blocks (dim 4096, 32 heads, 8 KV heads, ffn 14336, vocab
 # 128,256), seq 8192, bf16 and float8 tensorwise (output projection in bf16), local batch 1 and 2, selective op AC
@@ -26,13 +26,13 @@
 #
 # Knobs (environment): STEPS (12), WARMUP (4: tokens/s is the median of the later steps), BUDGET_S (460), SHAPES,
 # SYSTEMS, T_TITAN_SIMPLE / T_FSDP2 / T_SIMPLEFSDP (per-run limits, s), TT_ATTN (sdpa | flex: TorchTitan's own
-# document-masked FlexAttention), TT_GRAPH_INDUCTOR, TT_GRAPH_MEMORY_POLICY (see scripts/torchtitan_launch.py),
+# document-masked FlexAttention), TT_GRAPH_INDUCTOR, TT_GRAPH_MEMORY_POLICY (see scripts/benchmarks/torchtitan_launch.py),
 # TT_EXTRA / TS_EXTRA (more flags for every TorchTitan / titan_simple run), PYTHON, WHEELS, TT_VERSION (force one).
 set -u
 OUT_DIR=${1:?usage: torchtitan_side_by_side.sh OUT_DIR [--cpu]}
 CPU=${TT_CPU:-0}
 [ "${2:-}" = "--cpu" ] && CPU=1
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
 mkdir -p "$OUT_DIR"
@@ -68,15 +68,15 @@ START=$(date +%s)
   command -v nvidia-smi >/dev/null && [ "$CPU" != 1 ] && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c "import torch, sys; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda)"
 } >"$LOGS/machine.txt" 2>&1
-TT_VERSION=${TT_VERSION:-$("$PY" scripts/torchtitan_side_by_side.py pick-version 2>>"$LOGS/machine.txt")}
+TT_VERSION=${TT_VERSION:-$("$PY" scripts/benchmarks/torchtitan_side_by_side.py pick-version 2>>"$LOGS/machine.txt")}
 TT_OK=1
 if [ -z "$TT_VERSION" ]; then
   TT_OK=0; TT_WHY="no TorchTitan release for this torch (see machine.txt)"
-elif ! "$PY" scripts/torchtitan_side_by_side.py install "$WHEELS" "$SITE" "$TT_VERSION" >"$LOGS/install.txt" 2>&1; then
+elif ! "$PY" scripts/benchmarks/torchtitan_side_by_side.py install "$WHEELS" "$SITE" "$TT_VERSION" >"$LOGS/install.txt" 2>&1; then
   TT_OK=0; TT_WHY="wheel install failed: $(tail -1 "$LOGS/install.txt")"
 fi
 export PYTHONPATH=$SITE${PYTHONPATH:+:$PYTHONPATH}
-if ! "$PY" scripts/torchtitan_side_by_side.py assets assets/tokenizer/shakespeare_bpe_2k.json "$WORK/tt" \
+if ! "$PY" scripts/benchmarks/torchtitan_side_by_side.py assets assets/tokenizer/shakespeare_bpe_2k.json "$WORK/tt" \
     >>"$LOGS/install.txt" 2>&1; then
   TT_OK=0; TT_WHY="assets failed: $(tail -1 "$LOGS/install.txt")"
 fi
@@ -126,7 +126,7 @@ for shape in $SHAPES; do
         fi
         mode=${system#torchtitan_}
         limit=$T_FSDP2; [ "$mode" = simplefsdp ] && limit=$T_SIMPLEFSDP
-        run "$name" "$limit" env TT_FLOAT8=$F8 TT_LAYERS=4 "${TORCHRUN[@]}" scripts/torchtitan_launch.py "$mode" \
+        run "$name" "$limit" env TT_FLOAT8=$F8 TT_LAYERS=4 "${TORCHRUN[@]}" scripts/benchmarks/torchtitan_launch.py "$mode" \
           --training.steps "$STEPS" --training.seq_len "$SEQ" --training.local_batch_size "$lbs" \
           --parallelism.data_parallel_shard_degree 1 "$DUMP" "$LOGS/run_$name" "${TT_SHAPE[@]}" \
           "${TT_EXTRA_A[@]}" ;;
@@ -135,7 +135,7 @@ for shape in $SHAPES; do
 done
 echo "done: $(date +%T), $(($(date +%s) - START)) s"
 
-"$PY" scripts/torchtitan_side_by_side.py summarize "$LOGS" "$WARMUP" | tee "$OUT_DIR/table.md"
+"$PY" scripts/benchmarks/torchtitan_side_by_side.py summarize "$LOGS" "$WARMUP" | tee "$OUT_DIR/table.md"
 cp "$LOGS/install.txt" "$OUT_DIR/" 2>/dev/null
 tar -czf "$OUT_DIR/logs.tar.gz" --exclude=compile_cache --exclude=checkpoint --exclude='*.pt' --exclude=site \
   --exclude=tb -C "$LOGS" .

@@ -1,8 +1,8 @@
 """How far float8 linears are from bf16 on this device, layer by layer: one Llama 3 block of a flavor's dims, the same
 input and weights, eager and compiled, for each float8 recipe.
 
-    python scripts/float8_grad_check.py                     # 8B's dims, 2048 tokens, on the GPU (or the CPU)
-    python scripts/float8_grad_check.py --flavor debugmodel --tokens 256
+    python scripts/benchmarks/float8_grad_check.py                     # 8B's dims, 2048 tokens, on the GPU (or the CPU)
+    python scripts/benchmarks/float8_grad_check.py --flavor debugmodel --tokens 256
 
 Prints, per recipe and mode, the output's and each weight gradient's error relative to bf16's (max |x - ref| over
 max |ref|). float8 (e4m3, 3 mantissa bits) rounds each operand by up to 2^-4, so a few percent is float8; ten
@@ -13,10 +13,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 

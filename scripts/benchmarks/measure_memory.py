@@ -1,8 +1,8 @@
 """Per-rank tensor memory of one training step: SimpleFSDP with and without reshard-after-forward, FSDP2.
 
-    python scripts/measure_memory.py            # 2 gloo ranks on CPU, a few minutes; rewrites the tables
+    python scripts/benchmarks/measure_memory.py            # 2 gloo ranks on CPU, a few minutes; rewrites the tables
                                                 # between the markers in docs/simple_fsdp_memory.md
-    python scripts/measure_memory.py --no-doc   # print the tables only
+    python scripts/benchmarks/measure_memory.py --no-doc   # print the tables only
 
 The model and its step are the trainer's own (``core.assemble.build_run``; the probes below
 watch the step through its ``StepHooks``), ``debugmodel_large`` (8 blocks, dim 512) by default, fully_shard
@@ -38,14 +38,12 @@ import gc
 import os
 import pickle
 import re
-import sys
 import tempfile
 import time
 import weakref
 from pathlib import Path
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(PROJECT_DIR))  # run as a plain script from anywhere
+PROJECT_DIR = Path(__file__).resolve().parents[2]
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -338,7 +336,7 @@ def tables(results: list[dict], facts: dict, args, elapsed_s: float) -> str:
     rank0 = results[0]
     ws = WORLD_SIZE
     lines = [
-        f"Measured by `scripts/measure_memory.py` ({elapsed_s:.0f} s): `{args.flavor}` "
+        f"Measured by `scripts/benchmarks/measure_memory.py` ({elapsed_s:.0f} s): `{args.flavor}` "
         f"({facts['n_layers']} blocks, dim {facts['dim']}), fully_shard on {ws} gloo processes (CPU), fp32, "
         f"local batch {args.local_batch} x {args.seq_len} tokens, AdamW (foreach). Rank 0, second step; "
         f"MB = 10^6 bytes.",

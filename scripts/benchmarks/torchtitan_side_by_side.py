@@ -1,9 +1,10 @@
-"""Helpers of scripts/torchtitan_side_by_side.sh (no dependency beyond the standard library).
+"""Helpers of scripts/benchmarks/torchtitan_side_by_side.sh (no dependency beyond the standard library).
 
-    python scripts/torchtitan_side_by_side.py pick-version                  # the TorchTitan release for this torch
-    python scripts/torchtitan_side_by_side.py install WHEELS SITE VERSION   # unpack what this python lacks
-    python scripts/torchtitan_side_by_side.py assets TOKENIZER_JSON OUT     # TorchTitan's tokenizer + data folders
-    python scripts/torchtitan_side_by_side.py summarize LOG_DIR [WARMUP]    # the table
+    python scripts/benchmarks/torchtitan_side_by_side.py pick-version  # the TorchTitan release for this torch
+    python scripts/benchmarks/torchtitan_side_by_side.py install WHEELS SITE VERSION   # unpack what this python lacks
+    python scripts/benchmarks/torchtitan_side_by_side.py assets TOKENIZER_JSON OUT
+        # TorchTitan's tokenizer + data folders
+    python scripts/benchmarks/torchtitan_side_by_side.py summarize LOG_DIR [WARMUP]    # the table
 
 ``install`` unpacks, from a folder of wheels, TorchTitan of the given version and each other wheel whose top-level
 modules this python cannot import yet, into SITE (put it on PYTHONPATH). Wheels are zip files: no pip, no network,

@@ -1,8 +1,8 @@
 """Reproduce torch 2.13's failure to run a compiled step that recomputes attention over DTensor parameters, and
 show that titan_simple's fix (``parallel/torch_private.prepare_compile``) makes it train (issue 30).
 
-    python scripts/repro_rng_state_after_device_mesh.py                 # with the fix: trains, same as eager
-    python scripts/repro_rng_state_after_device_mesh.py --without-fix   # torch as shipped: AssertionError
+    python tests/repro_rng_state_after_device_mesh.py                 # with the fix: trains, same as eager
+    python tests/repro_rng_state_after_device_mesh.py --without-fix   # torch as shipped: AssertionError
 
 One process, a gloo group of one rank. Two blocks (a linear, causal ``scaled_dot_product_attention``, a linear)
 whose weights are SimpleFSDP DTensors, each block under activation checkpointing that recomputes everything (our
@@ -25,10 +25,7 @@ they are. The upstream report text is in docs/research/upstream_rng_state_after_
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402

@@ -1,7 +1,8 @@
 """Float8 all-gather in SimpleFSDP against gathering in the param dtype, side by side: losses and step time.
 
-    torchrun --nproc_per_node=2 scripts/float8_gather_check.py                 # CPU (gloo): the debug model
-    torchrun --nproc_per_node=1 scripts/float8_gather_check.py --dims 8b --layers 2 --seq 8192   # one GPU (NCCL)
+    torchrun --nproc_per_node=2 scripts/benchmarks/float8_gather_check.py                 # CPU (gloo): the debug model
+    torchrun --nproc_per_node=1 scripts/benchmarks/float8_gather_check.py --dims 8b --layers 2 --seq 8192
+        # one GPU (NCCL)
 
 Builds the model the way the trainer does (float8 linears on the meta model, SimpleFSDP fully_shard on a dp mesh of
 every rank, even one), then trains ``--steps`` steps on fixed random tokens with float8 all-gather off and on, eager
@@ -17,14 +18,11 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from titan_simple.models.float8 import convert_to_float8  # noqa: E402
 from titan_simple.models.llama3 import ModelArgs, Transformer  # noqa: E402

@@ -1,6 +1,8 @@
-"""Run TorchTitan's trainer on the side-by-side shape (scripts/torchtitan_side_by_side.sh), one process per GPU.
+"""Run TorchTitan's trainer on the side-by-side shape (scripts/benchmarks/torchtitan_side_by_side.sh), one process
+per GPU.
 
-    torchrun --standalone --nproc_per_node=1 scripts/torchtitan_launch.py {fsdp2|simplefsdp} [trainer flags...]
+    torchrun --standalone --nproc_per_node=1 scripts/benchmarks/torchtitan_launch.py {fsdp2|simplefsdp} \
+        [trainer flags...]
 
 TorchTitan has no ``--model.n_layers``: this launcher registers one more flavor in its llama3 registry,
 ``side_by_side``, and runs TorchTitan's own entry point (``torchtitan.train.main``) on it.

@@ -1,7 +1,8 @@
 """Check the dry run against measurement on this CPU: predicted vs measured peak tensor memory and step time.
 
-    python scripts/dry_run_cpu_check.py                       # debug model, lbs 4 x 128, 2 and 4 processes
-    python scripts/dry_run_cpu_check.py --world_sizes 2 --steps 3 --config llama3_debug.toml --training.seq_len 128
+    python scripts/benchmarks/dry_run_cpu_check.py                       # debug model, lbs 4 x 128, 2 and 4 processes
+    python scripts/benchmarks/dry_run_cpu_check.py --world_sizes 2 --steps 3 --config llama3_debug.toml \
+        --training.seq_len 128
 
 For each world size N: N gloo processes measure the machine's rates while all N run (matmul FLOP/s, copy
 bandwidth, all-gather bandwidth and latency; per-op overhead = an 8-token step of the same model, whose compute
@@ -23,8 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(PROJECT_DIR))
+PROJECT_DIR = Path(__file__).resolve().parents[2]
 
 
 def predict(argv: list[str], world_size: int, rates: dict[str, float]) -> dict:

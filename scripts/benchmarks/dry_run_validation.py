@@ -1,6 +1,6 @@
 """Dry-run predictions for the published Llama 3 runs, side by side with the published figures.
 
-    python scripts/dry_run_validation.py [--json FILE]      # ~5-10 minutes on 2 CPU cores, one process per run
+    python scripts/benchmarks/dry_run_validation.py [--json FILE]  # ~5-10 minutes on 2 CPU cores, one process per run
 
 Each case runs ``train.py --dry_run`` with the overrides that match the published setting as closely as our
 configs allow, and prints a markdown table: predicted vs published memory (the allocator's reserved peak, as
@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
+PROJECT_DIR = Path(__file__).resolve().parents[2]
 
 FLOAT8 = ("--model.converters", "float8")
 # TorchTitan's published runs (Dec 2024, and the async-TP runs of 2025-06) computed cross_entropy on the whole

@@ -13,8 +13,8 @@ is in the collectives the steps issue, not in compilation; a cached graph skips 
 is restored from the cache), so later rounds run less compile-time code than the tests do. A continued run
 (``--scratch``) appends to ``results.jsonl`` with its rounds numbered from 1 again.
 
-    .venv/bin/python scripts/repeat_test_jobs.py --runs 20 --out outputs/repeat_test_jobs
-    .venv/bin/python scripts/repeat_test_jobs.py --runs 3 --jobs pipeline_2,tensor_parallel_4
+    .venv/bin/python docs/research/repro/repeat_test_jobs.py --runs 20 --out outputs/repeat_test_jobs
+    .venv/bin/python docs/research/repro/repeat_test_jobs.py --runs 3 --jobs pipeline_2,tensor_parallel_4
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
+PROJECT_DIR = Path(__file__).resolve().parents[2]
 
 
 def jobs(scratch: str) -> dict[str, tuple[Callable[..., Any], int, tuple]]:

@@ -1,11 +1,13 @@
 """FSDP2 vs SimpleFSDP, eager and compiled, side by side: tokens/s, memory, collectives, compile time, MFU.
 
-    .venv/bin/python scripts/benchmark.py --quick                 # smoke test: 1 repeat, few steps
-    .venv/bin/python scripts/benchmark.py --doc --budget-minutes 23 --configs fsdp2_eager,simple_tb_reorder,...
+    .venv/bin/python scripts/benchmarks/benchmark.py --quick                 # smoke test: 1 repeat, few steps
+    .venv/bin/python scripts/benchmarks/benchmark.py --doc --budget-minutes 23 \
+        --configs fsdp2_eager,simple_tb_reorder,...
                                   # the full run; rewrites docs/benchmarks.md's table and benchmarks.png (the exact
                                   # command of the published table is in that doc)
-    .venv/bin/python scripts/benchmark.py --workloads comm --world-sizes 2 --configs fsdp2_eager,simple_tb_reorder
-    .venv/bin/python scripts/benchmark.py --profile simple_tb_reorder --workloads compute --world-sizes 2
+    .venv/bin/python scripts/benchmarks/benchmark.py --workloads comm --world-sizes 2 \
+        --configs fsdp2_eager,simple_tb_reorder
+    .venv/bin/python scripts/benchmarks/benchmark.py --profile simple_tb_reorder --workloads compute --world-sizes 2
 
 Every measurement is one fresh ``torchrun --standalone`` job running the real :class:`Trainer` (this file,
 ``--worker`` mode) with config overrides, so it measures what ``train.py`` runs. Repeats are interleaved: repeat
@@ -60,7 +62,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
+PROJECT_DIR = Path(__file__).resolve().parents[2]
 DOC = PROJECT_DIR / "docs" / "benchmarks.md"
 PLOT = PROJECT_DIR / "docs" / "benchmarks.png"
 BEGIN, END = "<!-- benchmark.py: begin -->", "<!-- benchmark.py: end -->"
@@ -351,7 +353,6 @@ def worker_main(argv: list[str]) -> None:
     parser.add_argument("--warmup", type=int, required=True)
     parser.add_argument("--profile", default=None, help="write a torch.profiler table of one measured step here")
     args, overrides = parser.parse_known_args(argv)
-    sys.path.insert(0, str(PROJECT_DIR))
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.WARNING, format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s")
 
@@ -649,7 +650,7 @@ def report(results, configs, args, argv: Sequence[str], elapsed_s: float) -> str
                                                           if args.world_size_repeats else "")
     steps = f"{args.warmup} warm-up + {args.steps} measured steps per job, {repeats}"
     lines = [
-        f"Measured by `python scripts/benchmark.py {' '.join(argv)}` in {elapsed_s / 60:.0f} min on "
+        f"Measured by `python scripts/benchmarks/benchmark.py {' '.join(argv)}` in {elapsed_s / 60:.0f} min on "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {machine_description()}; {steps}; OMP_NUM_THREADS=1 "
         "per rank.",
         "",

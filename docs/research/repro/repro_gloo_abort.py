@@ -1,8 +1,8 @@
 """Minimal reproduction: ProcessGroupGloo's two worker threads free the same heap string (torch 2.13, CPU).
 
-    torchrun --standalone --nproc_per_node=2 scripts/repro_gloo_abort.py                      # aborts, usually
-    torchrun --standalone --nproc_per_node=2 scripts/repro_gloo_abort.py --op all_reduce      # runs clean
-    torchrun --standalone --nproc_per_node=2 scripts/repro_gloo_abort.py --gloo-threads 1     # runs clean
+    torchrun --standalone --nproc_per_node=2 docs/research/repro/repro_gloo_abort.py  # aborts, usually
+    torchrun --standalone --nproc_per_node=2 docs/research/repro/repro_gloo_abort.py --op all_reduce      # runs clean
+    torchrun --standalone --nproc_per_node=2 docs/research/repro/repro_gloo_abort.py --gloo-threads 1     # runs clean
 
 No model, no compile, no titan_simple import. Each rank keeps ``--in-flight`` asynchronous functional all-gathers
 of a 16-element tensor outstanding (``torch.ops._c10d_functional.*``, what Inductor's generated code calls) and

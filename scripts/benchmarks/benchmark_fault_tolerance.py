@@ -1,6 +1,6 @@
 """What fault tolerance costs and what a failure costs, measured side by side on the same 4 processes.
 
-    python scripts/benchmark_fault_tolerance.py [--steps 60] [--out docs/fault_tolerance.md]
+    python scripts/benchmarks/benchmark_fault_tolerance.py [--steps 60] [--out docs/fault_tolerance.md]
 
 Runs, one after another on a quiet machine (check ``uptime`` first), the debug model for ``--steps`` steps with
 the metrics of every step:
@@ -26,7 +26,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BEGIN, END = "<!-- benchmark:begin -->", "<!-- benchmark:end -->"
 STEP_S = "time_metrics/end_to_end(s)"
 LIVE = "fault_tolerance/live_groups"

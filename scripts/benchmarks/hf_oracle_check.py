@@ -1,6 +1,6 @@
 """Our Llama 3 against Hugging Face ``transformers`` (the ``dev`` extra), both ways, with the numbers in one table.
 
-    python scripts/hf_oracle_check.py
+    python scripts/benchmarks/hf_oracle_check.py
 
 Exports the debug model and its tied, 32x-scaled twin and loads them in ``LlamaForCausalLM``; writes folders with
 ``transformers`` (Llama 3.1 scaling, Llama 3.2 scaling with tying, theta 1e4 / epsilon 1e-6) and imports them

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Download, here (with registry access), what scripts/torchtitan_side_by_side.sh needs on a GPU machine without
+# Download, here (with registry access), what scripts/benchmarks/torchtitan_side_by_side.sh needs on a GPU machine without
 # network beyond its own torch: ~6 MiB of wheels and the Shakespeare texts (5 MiB), into .gpu/wheels.
 #
-#   bash scripts/prepare_torchtitan_wheels.sh                 # for the GPU image (Python 3.12, x86-64)
-#   PYVER=3.11 WHEELS=outputs/tt_rehearsal/wheels bash scripts/prepare_torchtitan_wheels.sh   # CPU rehearsal here
+#   bash scripts/benchmarks/prepare_torchtitan_wheels.sh                 # for the GPU image (Python 3.12, x86-64)
+#   PYVER=3.11 WHEELS=outputs/tt_rehearsal/wheels bash scripts/benchmarks/prepare_torchtitan_wheels.sh   # CPU rehearsal here
 #
 # What and why (the GPU image already has torch, triton, tokenizers, safetensors, tensorboard, numpy, pandas,
 # pyarrow, huggingface_hub, httpx, fsspec, xxhash, pillow, einops, rich; torchdata, datasets and torchao it lacks):
@@ -19,12 +19,12 @@
 #   shksprdata/ (a folder)                     the Shakespeare texts (titan_simple's dataset; TorchTitan's c4_test
 #                                              stand-in is built from them at run time)
 # Not brought: wandb (TorchTitan imports it only with metrics.enable_wandb), tensorboard (there, and off).
-# The run installs with the standard library only (scripts/torchtitan_side_by_side.py install): a wheel whose
+# The run installs with the standard library only (scripts/benchmarks/torchtitan_side_by_side.py install): a wheel whose
 # modules the machine can already import is skipped, so nothing of the image is shadowed.
 #
 # .gpu/wheels gets a .gitignore of "*": the wheels are never committed, and travel with run's carry=[".gpu/wheels"].
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PYVER=${PYVER:-3.12}
 WHEELS=${WHEELS:-.gpu/wheels}
 PIP=${PIP:-.venv/bin/pip}

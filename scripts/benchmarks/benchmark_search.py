@@ -1,7 +1,7 @@
 """The layout search on the three published cases, timed, with its top rows checked against standalone dry runs.
 
-    python scripts/benchmark_search.py            # ~15 minutes on 2 CPU cores (check `uptime` first: alone)
-    python scripts/benchmark_search.py --cases 8b # one case
+    python scripts/benchmarks/benchmark_search.py            # ~15 minutes on 2 CPU cores (check `uptime` first: alone)
+    python scripts/benchmarks/benchmark_search.py --cases 8b # one case
 
 For 8B on 8, 70B on 256 and 405B on 512 H100s (the published layouts of TorchTitan's runs as the config: docs/
 dry_run.md), runs ``train.py --dry_run --dry_run.search`` as a user would, measures its wall time, runs the
@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
+PROJECT_DIR = Path(__file__).resolve().parents[2]
 CASES = {
     "8b": ("Llama 3 8B on 8 H100s (SimpleFSDP's published 8B run: FSDP8, lbs 1, selective AC, compiled)",
            ["--config", "llama3_8b.toml", "--dry_run.world_size", "8"], 60),
@@ -33,7 +33,8 @@ CASES = {
              ["--config", "llama3_405b.toml", "--dry_run.world_size", "512",
               "--parallelism.pipeline_parallel_microbatch_size", "4"], 600),
 }
-BEGIN, END = "<!-- layout search tables: begin (scripts/benchmark_search.py) -->", "<!-- layout search tables: end -->"
+BEGIN = "<!-- layout search tables: begin (scripts/benchmarks/benchmark_search.py) -->"
+END = "<!-- layout search tables: end -->"
 
 
 def train(folder: Path, args: list[str]) -> tuple[float, subprocess.CompletedProcess]:

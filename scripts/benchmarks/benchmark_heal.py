@@ -2,9 +2,9 @@
 titan_simple used before) against its process-group transport over the replica group (what titan_simple uses now),
 side by side in one run, and the recovery timeout titan_simple derives for each size.
 
-    python scripts/benchmark_heal.py                         # 0.5, 1 and 2 GB per rank, both transports, CPU / gloo
-    python scripts/benchmark_heal.py --gb 2 --transports pg  # one case
-    python scripts/benchmark_heal.py --doc                   # and write the table into docs/fault_tolerance.md
+    python scripts/benchmarks/benchmark_heal.py  # 0.5, 1 and 2 GB per rank, both transports, CPU / gloo
+    python scripts/benchmarks/benchmark_heal.py --gb 2 --transports pg  # one case
+    python scripts/benchmarks/benchmark_heal.py --doc  # and write the table into docs/fault_tolerance.md
 
 Two processes on this machine: rank 0 holds the live state (fp32 tensors of 256 MB, like a rank's parameter and
 optimizer shards), rank 1 receives it into tensors of its own (in place, as a heal lands), and checks it bitwise.
@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 from titan_simple.trainer.fault_tolerance import replica_process_group
 from titan_simple.trainer.replica_state import recovery_timeout, state_bytes
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "fault_tolerance.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "fault_tolerance.md"
 BEGIN, END = "<!-- benchmark_heal: begin -->", "<!-- benchmark_heal: end -->"
 TENSOR_BYTES = 256 * 2**20
 

@@ -16,7 +16,7 @@ Variants (each one compiled and run; the script prints OK or the error for each)
   held_outside     as gather_outside, but the region stores the weights on the module (block.held) and the
                    block reads them from there, as titan_simple's property-based gather would.
 
-Run:  python scripts/repro_nested_compile_region.py [--backend aot_eager|inductor] [--world 2]
+Run:  python docs/research/repro/repro_nested_compile_region.py [--backend aot_eager|inductor] [--world 2]
 (spawns gloo processes itself; CPU; well under 2 minutes with aot_eager). torch 2.13.
 """
 

@@ -2,9 +2,9 @@
 activations and its parameters live on equal but distinct ``tp`` mesh objects, and show that titan_simple's one
 mesh object per world (``parallel/dims.tensor_parallel_mesh``) makes them compile and train (issue 30).
 
-    python scripts/repro_tp_pp_whole_stage_compile.py                     # titan_simple as it is: trains
-    python scripts/repro_tp_pp_whole_stage_compile.py --fresh-mesh        # a new tp slice per lookup: fails
-    python scripts/repro_tp_pp_whole_stage_compile.py --schedule 1F1B --fresh-mesh
+    python docs/research/repro/repro_tp_pp_whole_stage_compile.py                     # titan_simple as it is: trains
+    python docs/research/repro/repro_tp_pp_whole_stage_compile.py --fresh-mesh        # a new tp slice per lookup: fails
+    python docs/research/repro/repro_tp_pp_whole_stage_compile.py --schedule 1F1B --fresh-mesh
 
 Four gloo processes (tp2 x pp2) build the debug model through the trainer's own build, every stage compiled whole,
 and run one training step. Prints the loss on every rank, or the compiler's error: with ``--fresh-mesh`` the
@@ -17,10 +17,7 @@ is in docs/research/upstream_rng_state_after_opaque.md (section 2).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
