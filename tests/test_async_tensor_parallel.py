@@ -59,7 +59,7 @@ def _compiled_graph_matches(rank: int, world_size: int) -> list[tuple[int, int]]
     what the pass's pattern finders match."""
     import torch._inductor.fx_passes.post_grad as post_grad
 
-    from titan_simple.compile import compile as compile_module
+    from titan_simple.compile import compiler as compile_module
     from titan_simple.parallel.torch_private import async_tensor_parallel_matches
 
     # The pass the Inductor switch runs (post_grad.py: `if config._micro_pipeline_tp: micro_pipeline_tp_pass`).

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from tests.distributed_utils import run_on_ranks
 from tests.inductor_code import overlap_in_generated_code
 from tests.parity import COMPILED_RTOL
-from titan_simple.compile import compile as compile_mod
+from titan_simple.compile import compiler as compile_mod
 from titan_simple.compile.compiler import compile_model, transformer_block_plan
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, Transformer
 from titan_simple.parallel.simple_fsdp import data_parallel, sharded_parameters
