@@ -282,8 +282,7 @@ def check_profiling(config: JobConfig, world_size: int, device_type: str) -> Non
 @functools.cache
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX): Linux's CPU flags, the same answer on
-    every rank of a machine. Measured with one thread: a [16384, 256] x [256, 768] matmul took 15 ms in bf16
-    and 75 ms in fp32 on an AVX512-BF16 EPYC; on a CPU without it bf16 ran about 2x slower than fp32."""
+    every rank of a machine. Without them bf16 runs slower than fp32 on CPU (measurements: docs/benchmarks.md)."""
     try:
         with open(cpuinfo) as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
@@ -318,7 +317,7 @@ def choose_precision(config: JobConfig, dims: ParallelDims, device_type: str,
 def choose_gather_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str, str] | None = None) -> str:
     """``per_microbatch`` or ``once_per_step`` (``[parallelism] fsdp_gather``, ``parallel/step_gather.py``).
     ``auto``: once per step under pipeline parallel with sharded weights (a stage's weights are a fraction of
-    the model; the 405B dry run: 4,624 all-gathers per step -> 34, fits in 80 GiB); per microbatch otherwise,
+    the model: far fewer all-gathers, docs/dry_run.md); per microbatch otherwise,
     where holding the unsharded model would give up what sharding saves. Raises the ConfigError of a layout
     that cannot gather once per step."""
     parallelism = config.parallelism
@@ -382,7 +381,7 @@ def choose_compile_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str
 
     Each transformer block compiles on its own with FSDP2, whose hooks break a whole-model graph (fullgraph
     fails in torch 2.13); and under the zero-bubble pipeline schedules, whose split backward gives wrong weight
-    gradients through a whole compiled stage (measured: some are 0). Tensor parallel inside pipeline stages
+    gradients through a whole compiled stage (some are 0). Tensor parallel inside pipeline stages
     compiles whole with every other schedule: a rank running several stages failed to until each rank used one
     ``tp`` mesh object (``dims.tensor_parallel_mesh``; docs/research/repro/repro_tp_pp_whole_stage_compile.py).
     ``[compile] regional`` asks for one compiled code for every region of ``regional_blocks`` blocks (SimpleFSDP
@@ -452,8 +451,7 @@ def choose_async_tensor_parallel(config: JobConfig, dims: ParallelDims, device_t
 def choose_loss_chunks(config: JobConfig, compile_mode: str, reasons: dict[str, str] | None = None) -> int:
     """``[training] loss_chunks`` where the loss runs eagerly (including tensor-parallel and last-stage losses
     next to a compiled model); 1 where the step compiles the loss with the model: Inductor's fused cross-entropy
-    already keeps no fp32 copy of the logits, and the chunks there only cost (measured on CPU, debug model:
-    +6 s compile, 6% fewer tokens/s, no smaller peak; docs/benchmarks.md)."""
+    already keeps no fp32 copy of the logits, and the chunks there only cost (docs/benchmarks.md)."""
     chunks = config.training.loss_chunks
     if compile_mode == "whole_with_loss" and chunks > 1:
         if reasons is not None:
