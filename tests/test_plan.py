@@ -166,6 +166,14 @@ def test_the_assembly_is_written_once_and_everything_calls_it():
             "tests/parity.py", "scripts/gpu_check.py", "scripts/benchmarks/measure_memory.py"} <= callers["build_run"]
 
 
+def test_no_function_over_60_lines():
+    long = sorted(f"{path.relative_to(REPO)}:{node.name} {node.end_lineno - node.lineno + 1}"
+                  for path in (REPO / "titan_simple").rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+                  if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+                  and node.end_lineno - node.lineno + 1 > 60)
+    assert long == []
+
+
 def test_scripts_import_the_installed_package_without_editing_sys_path():
     edits = sorted(str(path.relative_to(REPO)) for path in (REPO / "scripts").rglob("*.py")
                    if "sys.path.insert" in path.read_text() or "sys.path.append" in path.read_text())

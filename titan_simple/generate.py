@@ -104,6 +104,24 @@ def _synchronize(device: torch.device) -> None:
 
 
 @torch.no_grad()
+def _check_generation(model: Transformer, prompt: list[int], max_new_tokens: int, temperature: float,
+                      top_k: int | None) -> None:
+    """One line for each setting generation cannot run with."""
+    if not prompt:
+        raise ConfigError("the prompt is empty; give at least one token (the tokenizer adds BOS)")
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens = {max_new_tokens}; expected at least 1")
+    if temperature < 0:
+        raise ConfigError(f"temperature = {temperature}; expected 0 (greedy) or more")
+    if top_k is not None and top_k < 1:
+        raise ConfigError(f"top_k = {top_k}; expected at least 1")
+    if len(prompt) + max_new_tokens - 1 > model.freqs_cis.shape[0]:
+        raise ConfigError(
+            f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+            f"max_seq_len {model.freqs_cis.shape[0]}; shorten them"
+        )
+
+
 def generate(
     model: Transformer,
     prompt: list[int],
@@ -121,21 +139,9 @@ def generate(
     whole sequence (quadratic, kept as the reference the cache is tested against). The same ``seed`` gives
     the same tokens.
     """
-    if not prompt:
-        raise ConfigError("the prompt is empty; give at least one token (the tokenizer adds BOS)")
-    if max_new_tokens < 1:
-        raise ConfigError(f"max_new_tokens = {max_new_tokens}; expected at least 1")
-    if temperature < 0:
-        raise ConfigError(f"temperature = {temperature}; expected 0 (greedy) or more")
-    if top_k is not None and top_k < 1:
-        raise ConfigError(f"top_k = {top_k}; expected at least 1")
+    _check_generation(model, prompt, max_new_tokens, temperature, top_k)
     device = model.freqs_cis.device
     max_len = len(prompt) + max_new_tokens - 1  # the last token drawn is never fed back
-    if max_len > model.freqs_cis.shape[0]:
-        raise ConfigError(
-            f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-            f"max_seq_len {model.freqs_cis.shape[0]}; shorten them"
-        )
     generator = None
     if seed is not None:
         generator = torch.Generator(device=device)

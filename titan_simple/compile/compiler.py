@@ -341,6 +341,22 @@ def _forward_of(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return type(module).forward(module, *args, **kwargs)
 
 
+def _bucket_plan(model: nn.Module, bucketing: str, manual_plan: Sequence[str | Sequence[str]] | None,
+                 plan_root: str, *, regional: bool) -> list[str | list[str]] | None:
+    """The buckets the pass groups collectives into: the manual plan, or one per transformer block (plus the
+    rest), prefixed with ``plan_root``; None without bucketing or for ``auto`` (which chooses its own)."""
+    if bucketing == "auto" and manual_plan:
+        raise ValueError("compile_model: a manual_plan needs bucketing 'transformer_block' (manual), not 'auto'.")
+    plan = [list(p) if not isinstance(p, str) else p for p in manual_plan] if manual_plan else None
+    if regional and bucketing == "transformer_block" and plan is None:
+        raise ValueError("compile_model: regional compilation (modules=...) needs its bucket plan (manual_plan).")
+    if bucketing == "transformer_block" and plan is None:
+        plan = transformer_block_plan(model.get_submodule(plan_root))
+    if plan is not None and plan_root:
+        plan = [f"{plan_root}.{p}" if isinstance(p, str) else [f"{plan_root}.{q}" for q in p] for p in plan]
+    return None if bucketing == "none" else plan
+
+
 def compile_model(
     model: nn.Module,
     *,
@@ -356,51 +372,32 @@ def compile_model(
     modules: Sequence[nn.Module] | None = None,
 ) -> CommPlanRecorder | None:
     """Compile ``model`` in place with the given collective bucketing / reordering; return the comm-plan
-    recorder (``None`` for non-Inductor backends, which run no Inductor passes).
+    recorder (also left on ``model`` as ``comm_plan_recorder``; ``None`` for backends that run no Inductor pass).
 
-    ``bucketing``: ``none`` | ``transformer_block`` | ``auto``. ``manual_plan`` overrides the
-    ``transformer_block`` plan (one entry per bucket: a module FQN or a list of FQNs). ``dump_folder``: where
-    ``comm_plan.json`` / ``.txt`` go (rank 0). ``plan_root``: the submodule holding the transformer blocks when
-    ``model`` wraps the model (plan entries are then prefixed with it). ``extra_options``: more Inductor settings
-    for this compile (``CompilePlan.inductor_options``). ``fingerprint``: names these graphs for the comm
-    plan's copy in the compile cache (``compile/cache.py``). ``modules``: compile these modules (the regions of
-    ``regions.py``: one code for every region of a shape, regional compilation) instead of ``model`` itself;
+    ``bucketing``: ``none`` | ``transformer_block`` | ``auto``; ``manual_plan`` overrides the blocks' plan (one
+    entry per bucket: an FQN or a list of them), ``plan_root`` prefixes it when ``model`` wraps the model.
+    ``dump_folder``: where rank 0 writes ``comm_plan.json`` / ``.txt``. ``extra_options``: more Inductor settings
+    (``CompilePlan.inductor_options``). ``fingerprint`` names the graphs for the comm plan's copy in the compile
+    cache (``compile/cache.py``). ``modules``: compile these (the regions of ``regions.py``) instead of ``model``;
     ``manual_plan`` then names modules inside a region, and each graph's last gradient reduction waits at its
-    end (``sink_last_reduce_scatter_waits``). The recorder is also left on ``model`` as
-    ``comm_plan_recorder`` (``comm_plan_recorders`` finds it). Must be called on every rank (the CPU estimator
-    calibrates with collectives).
-    """
+    end. Every rank calls it (the CPU estimator calibrates with collectives)."""
     if bucketing not in BUCKETING_MODES:
         raise ValueError(f"compile_model: bucketing must be one of {BUCKETING_MODES}, got {bucketing!r}.")
     prepare_compile()
     if backend != "inductor":
         if bucketing != "none" or reorder or manual_plan:
-            warnings.warn(
-                f"compile backend {backend!r} runs no Inductor passes: bucketing/reorder ignored.", stacklevel=2
-            )
+            warnings.warn(f"compile backend {backend!r} runs no Inductor passes: bucketing/reorder ignored.",
+                          stacklevel=2)
         for module in modules or [model]:
             module.compile(backend=backend, fullgraph=fullgraph)
         return None
-    if bucketing == "auto" and manual_plan:
-        raise ValueError("compile_model: a manual_plan needs bucketing 'transformer_block' (manual), not 'auto'.")
     if bucketing == "auto" and not reorder:
         warnings.warn("compile: bucketing='auto' always reorders (its buckets are chosen for overlap).", stacklevel=2)
-    plan = [list(p) if not isinstance(p, str) else p for p in manual_plan] if manual_plan else None
-    if modules is None:
-        modules = [model]
-    elif bucketing == "transformer_block" and plan is None:
-        raise ValueError("compile_model: regional compilation (modules=...) needs its bucket plan (manual_plan).")
-    if bucketing == "transformer_block" and plan is None:
-        plan = transformer_block_plan(model.get_submodule(plan_root))
-    if plan is not None and plan_root:
-        plan = [f"{plan_root}.{p}" if isinstance(p, str) else [f"{plan_root}.{q}" for q in p] for p in plan]
-    if bucketing == "none":
-        plan = None
-    estimator = None
+    plan = _bucket_plan(model, bucketing, manual_plan, plan_root, regional=modules is not None)
+    modules = [model] if modules is None else modules
     cpu = not torch.cuda.is_available()
     needs_estimates = bucketing == "auto" or (bucketing == "none" and reorder)
-    if needs_estimates:
-        estimator = runtime_estimator(cpu)
+    estimator = runtime_estimator(cpu) if needs_estimates else None
     settings = {"bucketing": bucketing, "reorder": reorder, "plan": plan}
     recorder = CommPlanRecorder(dump_folder, settings)
     # Regional compilation (modules=...): a region's last gradient reduction can wait at its graph's end.

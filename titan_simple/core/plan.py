@@ -20,9 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import hashlib
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +29,7 @@ import torch
 from titan_simple.compile.compiler import CompilePlan
 from titan_simple.config import JobConfig
 from titan_simple.core.batching import accumulation_steps
+from titan_simple.core.compile_key import compile_cache_folder, compile_fingerprint
 from titan_simple.core.loss import LossPlan
 from titan_simple.data.datasets import data_cache_folder
 from titan_simple.errors import ConfigError
@@ -63,6 +62,12 @@ class DataOrder:
     global_rows: int  # sequences per optimizer step: local batch x dp x accumulation
     shuffle_seed: int | None  # None: documents in store order
     cache: Path  # where the token stores are (data/token_store.py)
+    ranks: int = 1  # the data-parallel ranks each global batch is split over (every replica group's)
+    first_rank: int = 0  # this group's first one (fault tolerance: group g reads the block of ranks g x dp ..)
+
+    def rank(self, dp_rank: int) -> int:
+        """The block of each global batch that data-parallel rank ``dp_rank`` of this group reads."""
+        return self.first_rank + dp_rank
 
 
 @dataclass(frozen=True)
@@ -190,35 +195,15 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     float8 = plan_float8(config.model.converters, config.float8, model_args, device_type, config.dry_run.enable,
                          local_shape=local_linear_shape(dims.tp) if dims.tp > 1 else None)
     pipeline = plan_pipeline(config, model_args.n_layers, dims.pp) if dims.pp > 1 else None
-    training = config.training
-    # With fault tolerance the global batch spans every replica group: each group's dp ranks read their rows of it.
-    ft = config.fault_tolerance
-    data_ranks = dims.dp * (ft.group_size if ft.enable else 1)
-    accumulation = accumulation_steps(training.global_batch_size, training.local_batch_size, data_ranks)
+    data = _data_order(config, dims)
+    accumulation = accumulation_steps(config.training.global_batch_size, config.training.local_batch_size,
+                                      data.ranks)
     gather = choose_gather_mode(config, dims, reasons)
     float8 = plan_float8_parallel(float8, config.float8.all_gather, dims, config.parallelism.fsdp_implementation)
     precision = choose_precision(config, dims, device_type, reasons)
     compile_mode = choose_compile_mode(config, dims, reasons)
-    compile_config = config.compile
-    compile_plan = CompilePlan(
-        mode=compile_mode, backend=compile_config.backend, bucketing=compile_config.bucketing,
-        manual_plan=tuple(p if isinstance(p, str) else tuple(p) for p in compile_config.manual_bucketed_modules),
-        reorder=compile_config.reorder, dump_folder=config.job.dump_folder,
-        region_blocks=compile_config.regional_blocks if compile_mode == "regional" else 1,
-        # Each region gathers the next one's first weights (compile/regions.py): only where SimpleFSDP gathers
-        # them per microbatch (gathering once per step holds every weight already), the regions are one model
-        # (a pipeline stage's last region has no next one on its rank) and the collectives are reordered
-        # (without, the hand-off would hold weights and hide nothing).
-        region_handoff=(compile_mode == "regional" and dims.dp_enabled and dims.pp == 1 and gather == "per_microbatch"
-                        and (compile_config.reorder or compile_config.bucketing == "auto")),
-        async_tensor_parallel=choose_async_tensor_parallel(config, dims, device_type),
-        cache_dir=compile_cache_folder(config),
-        # Rowwise float8 rounds each scale to a power of two: a value Inductor recomputes in backward (selective
-        # AC) without the eager casts' rounding can flip a scale and the cast after it (TorchTitan sets it for
-        # rowwise too; pytorch#150859: rowwise + compile + selective AC stalled, then NaN, on 8B).
-        emulate_precision_casts=(float8 is not None and float8.recipe.startswith("rowwise")
-                                 and config.float8.stable_recompute),
-    )
+    compile_plan = _compile_plan(config, dims, compile_mode, gather, float8,
+                                 async_tp=choose_async_tensor_parallel(config, dims, device_type))
     loss_parallel = uses_loss_parallel(config, dims)
     ac = config.activation_checkpoint
     parallel = ParallelPlan(
@@ -235,13 +220,46 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     if compile_plan.enabled:
         fingerprint = compile_fingerprint(config, model_args, parallel, loss, pipeline, accumulation, float8)
         parallel = dataclasses.replace(parallel, compile=dataclasses.replace(compile_plan, fingerprint=fingerprint))
-    data = DataOrder(global_rows=training.local_batch_size * data_ranks * accumulation,
-                     shuffle_seed=training.seed if training.shuffle else None,
-                     cache=data_cache_folder(training.data_cache))
+    data = dataclasses.replace(data, global_rows=config.training.local_batch_size * data.ranks * accumulation)
     return RunPlan(
         config=config, dims=dims, device_type=device_type, model_args=model_args, pipeline=pipeline,
         accumulation_steps=accumulation, precision=precision, gather_mode=gather, parallel=parallel, loss=loss,
         data=data, validation=plan_validation(config, dims, pipeline), float8=float8, reasons=reasons,
+    )
+
+
+def _data_order(config: JobConfig, dims: ParallelDims) -> DataOrder:
+    """Who reads which rows (``global_rows`` is set once the accumulation is known). With fault tolerance the
+    global batch spans every replica group: each group's dp ranks read their block of it."""
+    ft, training = config.fault_tolerance, config.training
+    return DataOrder(global_rows=0, shuffle_seed=training.seed if training.shuffle else None,
+                     cache=data_cache_folder(training.data_cache),
+                     ranks=dims.dp * (ft.group_size if ft.enable else 1),
+                     first_rank=ft.replica_id * dims.dp if ft.enable else 0)
+
+
+def _compile_plan(config: JobConfig, dims: ParallelDims, compile_mode: str, gather: str, float8: Float8Plan | None,
+                  *, async_tp: bool) -> CompilePlan:
+    """The ``[compile]`` settings as the mode chosen for this layout runs them."""
+    compile_config = config.compile
+    return CompilePlan(
+        mode=compile_mode, backend=compile_config.backend, bucketing=compile_config.bucketing,
+        manual_plan=tuple(p if isinstance(p, str) else tuple(p) for p in compile_config.manual_bucketed_modules),
+        reorder=compile_config.reorder, dump_folder=config.job.dump_folder,
+        region_blocks=compile_config.regional_blocks if compile_mode == "regional" else 1,
+        # Each region gathers the next one's first weights (compile/regions.py): only where SimpleFSDP gathers
+        # them per microbatch (gathering once per step holds every weight already), the regions are one model
+        # (a pipeline stage's last region has no next one on its rank) and the collectives are reordered
+        # (without, the hand-off would hold weights and hide nothing).
+        region_handoff=(compile_mode == "regional" and dims.dp_enabled and dims.pp == 1 and gather == "per_microbatch"
+                        and (compile_config.reorder or compile_config.bucketing == "auto")),
+        async_tensor_parallel=async_tp,
+        cache_dir=compile_cache_folder(config),
+        # Rowwise float8 rounds each scale to a power of two: a value Inductor recomputes in backward (selective
+        # AC) without the eager casts' rounding can flip a scale and the cast after it (TorchTitan sets it for
+        # rowwise too; pytorch#150859: rowwise + compile + selective AC stalled, then NaN, on 8B).
+        emulate_precision_casts=(float8 is not None and float8.recipe.startswith("rowwise")
+                                 and config.float8.stable_recompute),
     )
 
 
@@ -261,39 +279,10 @@ def check_profiling(config: JobConfig, world_size: int, device_type: str) -> Non
         )
 
 
-def compile_cache_folder(config: JobConfig) -> str:
-    """``[compile] cache_dir``, by default ``<dump_folder>/compile_cache`` (``compile/cache.py``)."""
-    return config.compile.cache_dir or os.path.join(config.job.dump_folder, "compile_cache")
-
-
-def compile_fingerprint(config: JobConfig, model_args: ModelArgs, parallel: ParallelPlan, loss: LossPlan,
-                        pipeline: PipelinePlan | None, accumulation: int, float8: Float8Plan | None = None) -> str:
-    """What this rank's compiled graphs are made of, hashed: the model, the layout and what the recipe applies
-    (dtypes, checkpointing, compile settings), the loss, the shapes of a microbatch, the torch version and this
-    package's source. It names the comm plan's copy in the compile cache (torch's own cache keys decide
-    whether a graph is reused; this only has to tell one run's graphs from another's)."""
-    training = config.training
-    parts = [repr(model_args), repr(dataclasses.replace(parallel, compile=dataclasses.replace(
-                 parallel.compile, dump_folder=None, cache_dir="", fingerprint=""))),
-             repr(loss), repr(pipeline), repr(float8), str(accumulation), str(training.seq_len),
-             str(training.local_batch_size),
-             str(config.parallelism.pipeline_parallel_microbatch_size), torch.__version__, _package_source_hash()]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
-
-
-@functools.cache
-def _package_source_hash() -> str:
-    digest = hashlib.sha256()
-    for path in sorted(Path(__file__).resolve().parent.parent.rglob("*.py")):
-        digest.update(path.read_bytes())
-    return digest.hexdigest()
-
-
 @functools.cache
 def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
     """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX): Linux's CPU flags, the same answer on
-    every rank of a machine. Measured with one thread: a [16384, 256] x [256, 768] matmul took 15 ms in bf16
-    and 75 ms in fp32 on an AVX512-BF16 EPYC; on a CPU without it bf16 ran about 2x slower than fp32."""
+    every rank of a machine. Without them bf16 runs slower than fp32 on CPU (measurements: docs/benchmarks.md)."""
     try:
         with open(cpuinfo) as f:
             flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
@@ -328,7 +317,7 @@ def choose_precision(config: JobConfig, dims: ParallelDims, device_type: str,
 def choose_gather_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str, str] | None = None) -> str:
     """``per_microbatch`` or ``once_per_step`` (``[parallelism] fsdp_gather``, ``parallel/step_gather.py``).
     ``auto``: once per step under pipeline parallel with sharded weights (a stage's weights are a fraction of
-    the model; the 405B dry run: 4,624 all-gathers per step -> 34, fits in 80 GiB); per microbatch otherwise,
+    the model: far fewer all-gathers, docs/dry_run.md); per microbatch otherwise,
     where holding the unsharded model would give up what sharding saves. Raises the ConfigError of a layout
     that cannot gather once per step."""
     parallelism = config.parallelism
@@ -392,7 +381,7 @@ def choose_compile_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str
 
     Each transformer block compiles on its own with FSDP2, whose hooks break a whole-model graph (fullgraph
     fails in torch 2.13); and under the zero-bubble pipeline schedules, whose split backward gives wrong weight
-    gradients through a whole compiled stage (measured: some are 0). Tensor parallel inside pipeline stages
+    gradients through a whole compiled stage (some are 0). Tensor parallel inside pipeline stages
     compiles whole with every other schedule: a rank running several stages failed to until each rank used one
     ``tp`` mesh object (``dims.tensor_parallel_mesh``; docs/research/repro/repro_tp_pp_whole_stage_compile.py).
     ``[compile] regional`` asks for one compiled code for every region of ``regional_blocks`` blocks (SimpleFSDP
@@ -462,8 +451,7 @@ def choose_async_tensor_parallel(config: JobConfig, dims: ParallelDims, device_t
 def choose_loss_chunks(config: JobConfig, compile_mode: str, reasons: dict[str, str] | None = None) -> int:
     """``[training] loss_chunks`` where the loss runs eagerly (including tensor-parallel and last-stage losses
     next to a compiled model); 1 where the step compiles the loss with the model: Inductor's fused cross-entropy
-    already keeps no fp32 copy of the logits, and the chunks there only cost (measured on CPU, debug model:
-    +6 s compile, 6% fewer tokens/s, no smaller peak; docs/benchmarks.md)."""
+    already keeps no fp32 copy of the logits, and the chunks there only cost (docs/benchmarks.md)."""
     chunks = config.training.loss_chunks
     if compile_mode == "whole_with_loss" and chunks > 1:
         if reasons is not None:

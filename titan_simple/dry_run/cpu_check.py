@@ -14,6 +14,7 @@ import os
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,6 +65,29 @@ def measure_worker(rank: int, world_size: int, argv: list[str], out_path: str, s
         dist.destroy_process_group()
 
 
+class _Phases(StepHooks):
+    """Tells the tracer the step's phase (clipping's small all-reduces count with the optimizer: the dry run does
+    not clip)."""
+
+    def __init__(self, tracer: StepTracer) -> None:
+        self.tracer = tracer
+
+    def phase(self, name: str) -> None:
+        self.tracer.set_phase(name)
+
+
+def _timed(step: Callable[..., None], steps: int, tokens: int | None) -> list[float]:
+    """``steps`` steps' seconds, each between barriers (the slowest rank's time)."""
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step(tokens=tokens)
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def _measure(rank: int, world_size: int, argv: list[str], steps: int) -> dict[str, Any]:
     config = load_job_config(argv)
     training = config.training
@@ -78,33 +102,16 @@ def _measure(rank: int, world_size: int, argv: list[str], steps: int) -> dict[st
                            generator=generator)
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
 
-    class Phases(StepHooks):  # clipping's small all-reduces count with the optimizer (the dry run does not clip)
-        def __init__(self, tracer: StepTracer) -> None:
-            self.tracer = tracer
-
-        def phase(self, name: str) -> None:
-            self.tracer.set_phase(name)
-
     def step(tracer: StepTracer | None = None, tokens: int | None = None) -> None:
-        train_step.hooks = Phases(tracer) if tracer else StepHooks()
+        train_step.hooks = _Phases(tracer) if tracer else StepHooks()
         x, y = (inputs, labels) if tokens is None else (inputs[:1, :tokens], labels[:1, :tokens])
         train_step([(x, y)])
 
-    def timed(tokens: int | None) -> list[float]:
-        times = []
-        for _ in range(steps):
-            dist.barrier()
-            start = time.perf_counter()
-            step(tokens=tokens)
-            dist.barrier()
-            times.append(time.perf_counter() - start)
-        return times
-
     step()  # creates gradients and optimizer state
-    times = timed(None)
+    times = _timed(step, steps, None)
     # Per-op overhead (Python, autograd, DTensor dispatch, launch): a step on 8 tokens, whose compute is ~0,
     # less its collectives' latency (priced separately), divided by the ops the dry run prices in it.
-    tiny = timed(8)
+    tiny = _timed(step, steps, 8)
     op_counter = StepTracer(ignore_meta_tensors=True)
     with op_counter, ignoring_shape_propagation():
         step(op_counter, tokens=8)

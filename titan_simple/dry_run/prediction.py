@@ -34,6 +34,7 @@ attention at half, recomputation included).
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -262,26 +263,49 @@ class Measured:
     trace_seconds: float
 
 
+def _new_row() -> dict[str, float]:
+    return {"count": 0, "bytes": 0, "seconds": 0.0, "once": 0}
+
+
+def _pipeline_send_recv(run: RunPlan, trace: RankTrace, rows: dict[tuple[str, str, str], dict[str, float]],
+                        pp: MeshDim, spec: DeviceSpec, passes: int) -> float:
+    """Seconds per pass of the pipeline's sends and receives (added to ``rows``): per microbatch and stage
+    boundary, the activation forward and its gradient backward (the residual stream [microbatch, seq (/tp,
+    sequence parallel), dim] in the compute dtype)."""
+    dims, plan, training = run.dims, run.pipeline, run.config.training
+    assert plan is not None
+    dtype = run.precision.param_dtype
+    local_seq = training.seq_len // dims.tp if dims.tp > 1 else training.seq_len
+    boundary = (run.config.parallelism.pipeline_parallel_microbatch_size * local_seq * run.model_args.dim
+                * torch.finfo(dtype).bits // 8)
+    total = 0.0
+    for part in trace.parts:
+        sides = int(part.stage != 0) + int(part.stage != plan.num_stages - 1)
+        if sides:
+            seconds = 2 * sides * collective_seconds("send", boundary, pp, spec)
+            total += seconds
+            row = rows[("pp", "send/recv", str(dtype).removeprefix("torch."))]
+            row["count"] += 2 * sides * passes
+            row["bytes"] += 2 * sides * passes * boundary
+            row["seconds"] += passes * seconds
+    return total
+
+
 def measure_trace(run: RunPlan, trace: RankTrace, spec: DeviceSpec, dim_of_group: dict[str, str]) -> Measured:
     """The sums and maxima of ``trace`` that the report is built from (``Measured``)."""
-    dims, plan, training = run.dims, run.pipeline, run.config.training
+    dims, plan = run.dims, run.pipeline
     mdims = mesh_dims(dims, spec.gpus_per_node)
     world = dims.dp * dims.tp * dims.pp
     compiled = run.compile.enabled
-
-    def seconds_of(op: OpCost) -> float:
-        return op_seconds(op, spec, compiled)
-
+    seconds_of = functools.partial(op_seconds, spec=spec, compiled=compiled)
     step_ops = [op for op in trace.ops if op.phase != "optimizer"]
     by_category: dict[str, float] = defaultdict(float)
     for op in step_ops:
         by_category[op.category] += seconds_of(op)
     optimizer_s = sum(seconds_of(op) for op in trace.ops if op.phase == "optimizer")
 
-    rows: dict[tuple[str, str, str], dict[str, float]] = defaultdict(
-        lambda: {"count": 0, "bytes": 0, "seconds": 0.0, "once": 0})
+    rows: dict[tuple[str, str, str], dict[str, float]] = defaultdict(_new_row)
     dp_comm_pass = exposed_pass = other_pass = dp_once_s = 0.0
-    async_tp = run.compile.async_tensor_parallel
     fused_tp: dict[str, float] = defaultdict(int)  # per "phase kind": TP collectives async TP fuses, one pass
     once_gathers: list[float] = []  # SimpleFSDP's once-per-step collectives, in the order they start
     once_reduces: list[float] = []
@@ -303,7 +327,7 @@ def measure_trace(run: RunPlan, trace: RankTrace, spec: DeviceSpec, dim_of_group
             (once_gathers if c.phase == "gather" else once_reduces).append(seconds)
         elif dim_name in DATA_PARALLEL_DIMS:
             dp_comm_pass += seconds
-        elif (async_tp and dim_name == "tp"
+        elif (run.compile.async_tensor_parallel and dim_name == "tp"
               and (matmul_s := fused_matmul_seconds(c, trace.ops, seconds_of)) is not None):
             fused_tp[f"{c.phase} {c.kind}"] += 1
             other_pass += seconds
@@ -311,23 +335,7 @@ def measure_trace(run: RunPlan, trace: RankTrace, spec: DeviceSpec, dim_of_group
         else:
             other_pass += seconds
             exposed_pass += seconds
-    p2p_pass = 0.0
-    if plan is not None:
-        # Per microbatch and stage boundary: the activation forward, its gradient backward (the residual
-        # stream [microbatch, seq (/tp, sequence parallel), dim] in the compute dtype).
-        dtype = run.precision.param_dtype
-        local_seq = training.seq_len // dims.tp if dims.tp > 1 else training.seq_len
-        boundary = (run.config.parallelism.pipeline_parallel_microbatch_size * local_seq * run.model_args.dim
-                    * torch.finfo(dtype).bits // 8)
-        for part in trace.parts:
-            sides = int(part.stage != 0) + int(part.stage != plan.num_stages - 1)
-            if sides:
-                seconds = 2 * sides * collective_seconds("send", boundary, mdims["pp"], spec)
-                p2p_pass += seconds
-                row = rows[("pp", "send/recv", str(dtype).removeprefix("torch."))]
-                row["count"] += 2 * sides * passes
-                row["bytes"] += 2 * sides * passes * boundary
-                row["seconds"] += passes * seconds
+    p2p_pass = _pipeline_send_recv(run, trace, rows, mdims["pp"], spec, passes) if plan is not None else 0.0
     once_edges, once_hidden = once_per_step_split(once_gathers, once_reduces, lazy=not compiled)
     return Measured(
         parameters=trace.parameter_bytes, gradients=trace.gradient_bytes, optimizer_state=trace.optimizer_bytes,
@@ -351,53 +359,32 @@ def build_report(run: RunPlan, pp_rank: int, rank: int, trace: RankTrace, spec: 
     return finish_report(run, pp_rank, rank, measure_trace(run, trace, spec, dim_of_group), spec)
 
 
-def finish_report(run: RunPlan, pp_rank: int, rank: int, m: Measured, spec: DeviceSpec) -> dict[str, Any]:
-    """The report of ``run``'s rank ``rank`` from what was measured on its trace (or extrapolated to its depth)."""
-    config, dims, plan = run.config, run.dims, run.pipeline
-    training = config.training
-    args = run.model_args
-    mdims = mesh_dims(dims, spec.gpus_per_node)
-    world = dims.dp * dims.tp * dims.pp
-    accumulation = run.accumulation_steps
-    passes = (plan.n_microbatches if plan is not None else 1) * accumulation  # traced microbatch -> per step
-    compiled = run.compile.enabled
-    overlapped = comm_overlapped(run)
-
-    # ---- memory
-    chunks = in_flight_chunks(plan, pp_rank)
-    kept = m.kept
+def _memory(m: Measured, chunks: int, spec: DeviceSpec) -> dict[str, Any]:
+    """The rank's memory: the peak of forward/backward with ``chunks`` microbatches' activations in flight, or
+    of the optimizer step; reserved (the allocator's view) and the device total (nvidia-smi's)."""
     static = m.parameters + m.gradients + m.optimizer_state
-    fwd_bwd_peak = m.part_peak + (chunks - 1) * kept
+    fwd_bwd_peak = m.part_peak + (chunks - 1) * m.kept
     peak = max(fwd_bwd_peak, m.optimizer_peak)
-    activations = chunks * kept
+    activations = chunks * m.kept
     transient = max(peak - static - activations, 0)
     contributors = {"parameters": m.parameters, "gradients": m.gradients, "optimizer state": m.optimizer_state,
                     "activations": activations, "transient (peak - the rest)": transient}
-    largest = max(contributors, key=contributors.__getitem__)
     reserved = peak * (1 + spec.allocator_overhead)  # what torch.cuda.max_memory_reserved would say
     device_total = reserved + spec.runtime_bytes  # what nvidia-smi would say
-    fits = device_total <= spec.memory_bytes
+    return {"bytes": {"parameters": m.parameters, "gradients": m.gradients, "optimizer_state": m.optimizer_state,
+                      "activations": activations, "activations_per_microbatch": m.kept,
+                      "regional_handoff": m.regional_handoff,  # within the activations
+                      "transient": transient, "peak": peak, "reserved": reserved, "device_total": device_total,
+                      "device": spec.memory_bytes},
+            "largest": max(contributors, key=contributors.__getitem__),
+            "peak_at": m.peak_at if fwd_bwd_peak >= m.optimizer_peak else "optimizer step",
+            "fits": device_total <= spec.memory_bytes}
 
-    # ---- time
-    compute_pass, dp_comm_pass = m.compute_pass, m.dp_comm_pass
-    if overlapped:
-        dp_exposed_pass = max(dp_comm_pass - compute_pass, exposed_dp_floor(run, m, dp_comm_pass))
-    else:
-        dp_exposed_pass = dp_comm_pass
-    pass_s = compute_pass + dp_exposed_pass + m.exposed_pass + m.p2p_pass
-    bubble = 0.0
-    if plan is not None:
-        chunk_s = pass_s / (plan.num_stages // plan.pp)
-        factor = {"InterleavedZeroBubble": 1 / 3, "ZBVZeroBubble": 1 / 3}.get(plan.schedule, 1.0)
-        bubble = (plan.pp - 1) * chunk_s * factor * accumulation
-    dp_once_exposed = m.once_edges + max(m.once_hidden - compute_pass, 0.0)  # once_per_step_split
-    step_s = passes * pass_s + bubble + m.optimizer_seconds + dp_once_exposed
-    roofline_tokens_per_gpu = run.global_tokens / world / step_s
-    tokens_per_gpu = roofline_tokens_per_gpu * spec.achieved_fraction
-    model_flops = flops_per_token(args, count_parameters_of(args, exclude_embedding=True), training.seq_len)
-    mfu = tokens_per_gpu * model_flops / spec.peak_flops
 
-    collectives = [
+def _collective_rows(m: Measured, run: RunPlan, spec: DeviceSpec, world: int) -> list[dict[str, Any]]:
+    """Each (mesh dim, kind, dtype) of collectives per step, with its link and its count once bucketed."""
+    mdims = mesh_dims(run.dims, spec.gpus_per_node)
+    return [
         {"mesh_dim": d, "size": mdims[d].size if d in mdims else world,
          "link": ("NVLink" if mdims[d].intra_node else "inter-node") if d in mdims else "?", "kind": k,
          "dtype": dt, "count": int(v["count"]), "bytes": int(v["bytes"]), "seconds": v["seconds"],
@@ -406,7 +393,58 @@ def finish_report(run: RunPlan, pp_rank: int, rank: int, m: Measured, spec: Devi
                             if d in DATA_PARALLEL_DIMS else int(v["count"]))}
         for (d, k, dt), v in sorted(m.rows.items())
     ]
+
+
+def _step_time(run: RunPlan, m: Measured, passes: int) -> dict[str, float]:
+    """The step's seconds by part: ``passes`` traced microbatches, the data-parallel traffic compute does not
+    hide, the pipeline bubble, the optimizer."""
+    plan = run.pipeline
+    compute_pass, dp_comm_pass = m.compute_pass, m.dp_comm_pass
+    if comm_overlapped(run):
+        dp_exposed_pass = max(dp_comm_pass - compute_pass, exposed_dp_floor(run, m, dp_comm_pass))
+    else:
+        dp_exposed_pass = dp_comm_pass
+    pass_s = compute_pass + dp_exposed_pass + m.exposed_pass + m.p2p_pass
+    bubble = 0.0
+    if plan is not None:
+        chunk_s = pass_s / (plan.num_stages // plan.pp)
+        factor = {"InterleavedZeroBubble": 1 / 3, "ZBVZeroBubble": 1 / 3}.get(plan.schedule, 1.0)
+        bubble = (plan.pp - 1) * chunk_s * factor * run.accumulation_steps
+    dp_once_exposed = m.once_edges + max(m.once_hidden - compute_pass, 0.0)  # once_per_step_split
     by_category = defaultdict(float, m.by_category)
+    return {
+        "compute": passes * compute_pass,
+        "compute_matmul": passes * by_category["matmul"],
+        "compute_attention": passes * by_category["attention"],
+        "compute_elementwise": passes * by_category["memory"],
+        "data_parallel_comm": passes * dp_comm_pass + m.dp_once_seconds,
+        "data_parallel_comm_exposed": passes * dp_exposed_pass + dp_once_exposed,
+        "tensor_parallel_and_other_comm": passes * m.other_pass,
+        "tensor_parallel_and_other_comm_exposed": passes * m.exposed_pass,
+        "pipeline_send_recv": passes * m.p2p_pass,
+        "pipeline_bubble": bubble,
+        "optimizer": m.optimizer_seconds,
+        "step": passes * pass_s + bubble + m.optimizer_seconds + dp_once_exposed,
+    }
+
+
+def finish_report(run: RunPlan, pp_rank: int, rank: int, m: Measured, spec: DeviceSpec) -> dict[str, Any]:
+    """The report of ``run``'s rank ``rank`` from what was measured on its trace (or extrapolated to its depth)."""
+    config, dims, plan = run.config, run.dims, run.pipeline
+    training = config.training
+    args = run.model_args
+    world = dims.dp * dims.tp * dims.pp
+    accumulation = run.accumulation_steps
+    passes = (plan.n_microbatches if plan is not None else 1) * accumulation  # traced microbatch -> per step
+    chunks = in_flight_chunks(plan, pp_rank)
+    memory = _memory(m, chunks, spec)
+
+    time = _step_time(run, m, passes)
+    step_s = time["step"]
+    roofline_tokens_per_gpu = run.global_tokens / world / step_s
+    tokens_per_gpu = roofline_tokens_per_gpu * spec.achieved_fraction
+    model_flops = flops_per_token(args, count_parameters_of(args, exclude_embedding=True), training.seq_len)
+    mfu = tokens_per_gpu * model_flops / spec.peak_flops
     return {
         "plan": run.describe(),
         "config": config.config_file,
@@ -423,43 +461,19 @@ def finish_report(run: RunPlan, pp_rank: int, rank: int, m: Measured, spec: Devi
         "seq_len": training.seq_len,
         "activation_checkpoint": run.parallel.ac_mode
         + (f" ({run.parallel.ac_option})" if run.parallel.ac_mode == "selective" else ""),
-        "compiled": compiled,
+        "compiled": run.compile.enabled,
         "fsdp_gather": run.gather_mode,
-        "comm_overlapped": overlapped,
+        "comm_overlapped": comm_overlapped(run),
         "async_tensor_parallel": ({"fused_collectives_per_pass": int(sum(m.fused_tp.values())),
                                    "fused": {k: int(v) for k, v in m.fused_tp.items()}}
                                   if run.compile.async_tensor_parallel else None),
-        "memory_bytes": {
-            "parameters": m.parameters,
-            "gradients": m.gradients,
-            "optimizer_state": m.optimizer_state,
-            "activations": activations,
-            "activations_per_microbatch": kept,
-            "regional_handoff": m.regional_handoff,  # within the activations
-            "transient": transient,
-            "peak": peak, "reserved": reserved,
-            "device_total": device_total,
-            "device": spec.memory_bytes,
-        },
-        "peak_at": m.peak_at if fwd_bwd_peak >= m.optimizer_peak else "optimizer step",
-        "fits": fits,
-        "largest_contributor": largest,
-        "suggestion": None if fits else suggestion(largest, run),
-        "collectives_per_step": collectives,
-        "time_seconds": {
-            "compute": passes * compute_pass,
-            "compute_matmul": passes * by_category["matmul"],
-            "compute_attention": passes * by_category["attention"],
-            "compute_elementwise": passes * by_category["memory"],
-            "data_parallel_comm": passes * dp_comm_pass + m.dp_once_seconds,
-            "data_parallel_comm_exposed": passes * dp_exposed_pass + dp_once_exposed,
-            "tensor_parallel_and_other_comm": passes * m.other_pass,
-            "tensor_parallel_and_other_comm_exposed": passes * m.exposed_pass,
-            "pipeline_send_recv": passes * m.p2p_pass,
-            "pipeline_bubble": bubble,
-            "optimizer": m.optimizer_seconds,
-            "step": step_s,
-        },
+        "memory_bytes": memory["bytes"],
+        "peak_at": memory["peak_at"],
+        "fits": memory["fits"],
+        "largest_contributor": memory["largest"],
+        "suggestion": None if memory["fits"] else suggestion(memory["largest"], run),
+        "collectives_per_step": _collective_rows(m, run, spec, world),
+        "time_seconds": time,
         "hardware_flops_per_step": passes * m.matmul_flops,
         "tokens_per_second_per_gpu": tokens_per_gpu,
         "roofline_tokens_per_second_per_gpu": roofline_tokens_per_gpu,

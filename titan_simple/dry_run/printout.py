@@ -13,21 +13,10 @@ def _gib(n: float) -> str:
     return f"{n / GIB:,.2f} GiB"
 
 
-def format_report(r: dict[str, Any]) -> str:
-    m, ts = r["memory_bytes"], r["time_seconds"]
-    pipe = r["pipeline"]
-    lines = [*r.get("plan", []), "",
-        f"dry run: llama3 {r['model']} ({r['parameters'] / 1e9:.2f}B params) on {r['world_size']} x {r['device']}, "
-        f"mesh {r['mesh']}, rank {r['rank']}",
-        f"  local batch {r['local_batch_size']} x seq {r['seq_len']}, AC {r['activation_checkpoint']}, "
-        f"{'compiled' if r['compiled'] else 'eager'}, data-parallel comm "
-        f"{'overlapped' if r['comm_overlapped'] else 'exposed'}, "
-        f"SimpleFSDP gathers {r['fsdp_gather'].replace('_', ' ')}",
-    ]
-    if pipe:
-        lines.append(f"  pipeline {pipe['schedule']}: {pipe['stages']} stages, this rank runs {pipe['local_stages']}, "
-                     f"{pipe['microbatches']} microbatches, {pipe['in_flight_chunks']} in flight at the peak")
-    lines += [
+def _memory_lines(r: dict[str, Any]) -> list[str]:
+    """The memory block: each part, the peak, what the allocator and the runtime add, and whether it fits."""
+    m = r["memory_bytes"]
+    lines = [
         "",
         "  memory per rank            ",
         f"    parameters (fp32 shards)  {_gib(m['parameters']):>14}",
@@ -48,12 +37,12 @@ def format_report(r: dict[str, Any]) -> str:
                  f"({100 * m['device_total'] / m['device']:.0f}%)  -> {'fits' if r['fits'] else 'DOES NOT FIT'}")
     if not r["fits"]:
         lines.append(f"    largest contributor: {r['largest_contributor']}; suggestion: {r['suggestion']}")
-    lines += ["", f"  collectives per step (mesh dim(size, link) kind dtype)   {'count':>7} {'bucketed':>8} "
-              f"{'payload':>14} {'time':>10}"]
-    for c in r["collectives_per_step"]:
-        label = f"{c['mesh_dim']}({c['size']},{c['link']}) {c['kind']} {c['dtype']}"
-        lines.append(f"    {label:<52} {c['count']:>7} {c['count_bucketed']:>8} {_gib(c['bytes']):>14} "
-                     f"{c['seconds'] * 1e3:>8.1f}ms")
+    return lines
+
+
+def _time_lines(r: dict[str, Any]) -> list[str]:
+    """The step-time block (roofline) and the predicted tokens/s and MFU."""
+    ts = r["time_seconds"]
     if r.get("async_tensor_parallel"):
         tp_line = (f"    tensor-parallel/other comm {ts['tensor_parallel_and_other_comm'] * 1e3:>10.1f} ms "
                    f"({ts['tensor_parallel_and_other_comm_exposed'] * 1e3:.1f} ms exposed; async TP fuses "
@@ -61,7 +50,7 @@ def format_report(r: dict[str, Any]) -> str:
     else:
         tp_line = (f"    tensor-parallel/other comm {ts['tensor_parallel_and_other_comm_exposed'] * 1e3:>10.1f} ms "
                    "(exposed)")
-    lines += [
+    return [
         "",
         "  step time (roofline)",
         f"    compute                    {ts['compute'] * 1e3:>10.1f} ms (matmul {ts['compute_matmul'] * 1e3:.0f}, "
@@ -78,6 +67,30 @@ def format_report(r: dict[str, Any]) -> str:
         f"{r['tokens_per_second_per_gpu']:,.0f} tokens/s/GPU, MFU {100 * r['mfu']:.1f}%  "
         f"(traced in {r['trace_seconds']:.1f} s)",
     ]
+
+
+def format_report(r: dict[str, Any]) -> str:
+    """The dry run's report as the console shows it."""
+    pipe = r["pipeline"]
+    lines = [*r.get("plan", []), "",
+        f"dry run: llama3 {r['model']} ({r['parameters'] / 1e9:.2f}B params) on {r['world_size']} x {r['device']}, "
+        f"mesh {r['mesh']}, rank {r['rank']}",
+        f"  local batch {r['local_batch_size']} x seq {r['seq_len']}, AC {r['activation_checkpoint']}, "
+        f"{'compiled' if r['compiled'] else 'eager'}, data-parallel comm "
+        f"{'overlapped' if r['comm_overlapped'] else 'exposed'}, "
+        f"SimpleFSDP gathers {r['fsdp_gather'].replace('_', ' ')}",
+    ]
+    if pipe:
+        lines.append(f"  pipeline {pipe['schedule']}: {pipe['stages']} stages, this rank runs {pipe['local_stages']}, "
+                     f"{pipe['microbatches']} microbatches, {pipe['in_flight_chunks']} in flight at the peak")
+    lines += _memory_lines(r)
+    lines += ["", f"  collectives per step (mesh dim(size, link) kind dtype)   {'count':>7} {'bucketed':>8} "
+              f"{'payload':>14} {'time':>10}"]
+    for c in r["collectives_per_step"]:
+        label = f"{c['mesh_dim']}({c['size']},{c['link']}) {c['kind']} {c['dtype']}"
+        lines.append(f"    {label:<52} {c['count']:>7} {c['count_bucketed']:>8} {_gib(c['bytes']):>14} "
+                     f"{c['seconds'] * 1e3:>8.1f}ms")
+    lines += _time_lines(r)
     return "\n".join(lines)
 
 

@@ -44,7 +44,6 @@ from titan_simple.core.assemble import build_run
 from titan_simple.core.plan import RunPlan
 from titan_simple.core.step import TrainStep
 from titan_simple.dry_run.tracer import Collective, OpCost, StepTracer, fused_attention, ignoring_shape_propagation
-from titan_simple.parallel.float8_gather import refresh_float8_weights
 from titan_simple.parallel.tensor_parallel import loss_parallel_context
 
 # How the trace models the fused cross-entropy of a loss compiled with the model (see trace_rank).
@@ -226,16 +225,20 @@ class RankTrace:
     seconds: float
 
 
+def _traced_plan(run: RunPlan) -> RunPlan:
+    """The plan the trace runs: eager (compiling meta graphs would take minutes; the time model accounts for
+    compilation). A loss the step compiles with the model is traced as Inductor's fused cross-entropy keeps it:
+    the logits (or their gradient) in their dtype and no fp32 copy, which the chunked loss keeps eagerly."""
+    run = run.without_compile()
+    if run.loss.compiled_with_model:
+        run = dataclasses.replace(run, loss=dataclasses.replace(run.loss, chunks=FUSED_LOSS_TRACE_CHUNKS))
+    return run
+
+
 def trace_rank(run: RunPlan, mesh: DeviceMesh | None) -> RankTrace:
     """Build this rank's model parts by the real recipe on the meta device and trace one step."""
     start = time.perf_counter()
-    # Compiling meta graphs would take minutes; the time model accounts for it (and the trace for the loss
-    # compiled with the model: run.loss.compiled_with_model is kept).
-    run = run.without_compile()
-    if run.loss.compiled_with_model:
-        # The step compiles the plain loss with the model: Inductor's fused cross-entropy keeps the logits (or
-        # their gradient) in their dtype and no fp32 copy. Traced eagerly, the chunked loss keeps exactly that.
-        run = dataclasses.replace(run, loss=dataclasses.replace(run.loss, chunks=FUSED_LOSS_TRACE_CHUNKS))
+    run = _traced_plan(run)
     # The trainer's build, left on the meta device.
     built = build_run(run, torch.device("meta"), mesh=mesh, materialize=False, lr_schedule=False)
     model_parts, optimizer, train_step = built.parts, built.optimizer, built.step
@@ -256,9 +259,10 @@ def trace_rank(run: RunPlan, mesh: DeviceMesh | None) -> RankTrace:
             tracer.track(tensor)
         for buffer in (b for part in parts for b in part.buffers()):
             tracer.track(buffer)
-        if run.parallel.float8_all_gather:  # the step's one amax all-reduce (and the amaxes): once per step
+        if train_step.features:  # float8's one amax all-reduce (and the amaxes): once per step
             tracer.set_phase("gather")
-            refresh_float8_weights(parts)
+            for feature in train_step.features:
+                feature.before_forward()
         gather = model_parts.step_gather  # once per step: the held weights are alive through every microbatch
         if gather is not None:
             tracer.set_phase("gather")

@@ -38,7 +38,7 @@ from titan_simple.dry_run.bounds import (
     memory_floor,
     speed_ceiling,
 )
-from titan_simple.dry_run.hardware import GIB, planned_device
+from titan_simple.dry_run.hardware import GIB, DeviceSpec, planned_device
 from titan_simple.dry_run.layouts import (
     Layout,
     apply_overrides,
@@ -168,17 +168,7 @@ def run_search(config: JobConfig) -> dict[str, Any]:
     layouts = enumerate_layouts(base, args, world, dry.gpus_per_node, float8, dry.search_batch)
     fates: dict[Layout, str] = {}
     floors: dict[Layout, float] = {}  # the smallest memory seen, for "nothing fits"
-    candidates = []
-    for layout in layouts:
-        if not matches(layout, pins):
-            fates[layout] = "filtered by search_fix"
-        elif reason := dominated(layout):
-            fates[layout] = reason
-        elif (floor := memory_floor(layout, args, sizes, spec)) > spec.memory_bytes:
-            fates[layout] = f"does not fit: parameters, gradients and AdamW state alone {floor / GIB:.1f} GiB"
-            floors[layout] = floor
-        else:
-            candidates.append(layout)
+    candidates = _prune(layouts, pins, args, sizes, spec, fates, floors)
 
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["titan_simple.dry_run.pricing_workers"])
@@ -198,30 +188,7 @@ def run_search(config: JobConfig) -> dict[str, Any]:
         per_block = {c: m for share, ms in zip(shares, measured, strict=True) for c, m in zip(share, ms, strict=True)}
         phases["classes"] = time.perf_counter() - start - phases["enumerate"]
         phases["class_count"] = len(classes)
-        bounded = []
-        # bytes per element of the weights gathered and the gradients reduced, at least (float8 gathers 1)
-        compute_bytes = 4 if base.training.mixed_precision_param == "float32" else 2
-        gather_bytes = 1 if base.model.converters or float8 else compute_bytes
-        reduce_bytes = 2 if base.training.mixed_precision_reduce == "bfloat16" else 4
-        for layout in candidates:
-            block = per_block[_class_overrides(layout, world)]
-            if "error" in block:
-                fates[layout] = f"refused by the trainer: {block['error']}"
-                continue
-            floors[layout] = floor = memory_floor(layout, args, sizes, spec, gather_bytes + reduce_bytes,
-                                                  block["kept"])
-            if floor > spec.memory_bytes:
-                fates[layout] = (f"does not fit: its AdamW state, held weights and one microbatch's activations "
-                                 f"alone {floor / GIB:.1f} GiB")
-                continue
-            tokens = base.training.seq_len * int(layout.values["training.global_batch_size"])
-            dp_floor = data_parallel_floor(layout, args, sizes, spec, gather_bytes, reduce_bytes)
-            tp = layout.degree("tensor_parallel")
-            micro = int(layout.values.get("parallelism.pipeline_parallel_microbatch_size", 1))
-            boundary = micro * base.training.seq_len // tp * args.dim * compute_bytes
-            bounded.append((speed_ceiling(layout, args, block["seconds"], block["ends_seconds"], tokens,
-                                          world, spec, dp_floor, boundary), layout))
-        bounded.sort(key=lambda item: (-item[0], AC_ORDER[item[1].values["activation_checkpoint.mode"]]))
+        bounded = _bound(candidates, per_block, base, args, sizes, spec, float8, fates, floors)
         published = published_async.get()
         deadline = start + dry.search_seconds if dry.search_seconds > 0 else None
         headroom = memory_headroom(dry.memory_headroom)
@@ -233,6 +200,56 @@ def run_search(config: JobConfig) -> dict[str, Any]:
     phases["pricing"] = time.perf_counter() - start - phases["enumerate"] - phases["classes"]
     return _finish(config, base, rows, published_row, fates, layouts, time.perf_counter() - start, spec, phases,
                    floors)
+
+
+def _prune(layouts: list[Layout], pins: Any, args: Any, sizes: ModelSizes, spec: DeviceSpec,
+           fates: dict[Layout, str], floors: dict[Layout, float]) -> list[Layout]:
+    """The layouts left after the pins, the dominance rules and the static memory floor (the others' fates
+    recorded)."""
+    candidates = []
+    for layout in layouts:
+        if not matches(layout, pins):
+            fates[layout] = "filtered by search_fix"
+        elif reason := dominated(layout):
+            fates[layout] = reason
+        elif (floor := memory_floor(layout, args, sizes, spec)) > spec.memory_bytes:
+            fates[layout] = f"does not fit: parameters, gradients and AdamW state alone {floor / GIB:.1f} GiB"
+            floors[layout] = floor
+        else:
+            candidates.append(layout)
+    return candidates
+
+
+def _bound(candidates: list[Layout], per_block: dict[Any, dict[str, Any]], base: JobConfig, args: Any,
+           sizes: ModelSizes, spec: DeviceSpec, float8: bool, fates: dict[Layout, str],
+           floors: dict[Layout, float]) -> list[tuple[float, Layout]]:
+    """Each candidate's speed ceiling from its block class, fastest first (the lighter AC first among equals);
+    those the trainer refuses or whose floor with activations does not fit get their fates instead."""
+    world = base.dry_run.world_size
+    bounded = []
+    # bytes per element of the weights gathered and the gradients reduced, at least (float8 gathers 1)
+    compute_bytes = 4 if base.training.mixed_precision_param == "float32" else 2
+    gather_bytes = 1 if base.model.converters or float8 else compute_bytes
+    reduce_bytes = 2 if base.training.mixed_precision_reduce == "bfloat16" else 4
+    for layout in candidates:
+        block = per_block[_class_overrides(layout, world)]
+        if "error" in block:
+            fates[layout] = f"refused by the trainer: {block['error']}"
+            continue
+        floors[layout] = floor = memory_floor(layout, args, sizes, spec, gather_bytes + reduce_bytes, block["kept"])
+        if floor > spec.memory_bytes:
+            fates[layout] = (f"does not fit: its AdamW state, held weights and one microbatch's activations "
+                             f"alone {floor / GIB:.1f} GiB")
+            continue
+        tokens = base.training.seq_len * int(layout.values["training.global_batch_size"])
+        dp_floor = data_parallel_floor(layout, args, sizes, spec, gather_bytes, reduce_bytes)
+        tp = layout.degree("tensor_parallel")
+        micro = int(layout.values.get("parallelism.pipeline_parallel_microbatch_size", 1))
+        boundary = micro * base.training.seq_len // tp * args.dim * compute_bytes
+        bounded.append((speed_ceiling(layout, args, block["seconds"], block["ends_seconds"], tokens,
+                                      world, spec, dp_floor, boundary), layout))
+    bounded.sort(key=lambda item: (-item[0], AC_ORDER[item[1].values["activation_checkpoint.mode"]]))
+    return bounded
 
 
 def check_world_can_hold(base: JobConfig, sizes: ModelSizes, args, spec) -> None:
@@ -250,6 +267,25 @@ def check_world_can_hold(base: JobConfig, sizes: ModelSizes, args, spec) -> None
         f"[dry_run] search: llama3 {base.model.flavor} cannot fit {world} x {spec.name}: its weights, gradients and "
         f"AdamW state alone are {state / GIB:,.0f} GiB, {least} GPUs' worth before any activation; plan for at least "
         f"{plan_for} GPUs (--dry_run.world_size {plan_for}).")
+
+
+def _why_stop(ceiling: float, bar: float, top: int, asked: int, budget: int, deadline: float | None):
+    """None to price the layout of ``ceiling`` (and go on), else what to say of it and every layout after it."""
+    if deadline is not None and time.perf_counter() > deadline:
+        return lambda c: f"not priced: the search_seconds limit ran out (ceiling {c:,.0f} tokens/s/GPU)"
+    if asked >= budget:
+        return lambda c: f"not priced: beyond the search_layouts count (ceiling {c:,.0f} tokens/s/GPU)"
+    if ceiling < bar:  # sorted: every ceiling left is lower
+        return lambda c: f"cannot win: ceiling {c:,.0f} < the {top}th row's {bar:,.0f} tokens/s/GPU"
+    return None
+
+
+def _trace_row(row: dict[str, Any]) -> None:
+    """Debugging the bounds: every priced row as it comes, into ``$TITAN_SIMPLE_SEARCH_TRACE``."""
+    if os.environ.get("TITAN_SIMPLE_SEARCH_TRACE"):
+        with open(os.environ["TITAN_SIMPLE_SEARCH_TRACE"], "a") as f:
+            f.write(json.dumps({k: row[k] for k in ("layout", "ceiling", "floor_gib", "device_gib", "fits",
+                                                    "tokens_per_second_per_gpu", "time_seconds")}) + "\n")
 
 
 def _best_first(pool, bounded, fates, floors, top: int, workers: int, progress: Progress, budget: int,
@@ -274,19 +310,9 @@ def _best_first(pool, bounded, fates, floors, top: int, workers: int, progress: 
     while True:
         while len(pending) <= workers and index < len(bounded):
             ceiling, layout = bounded[index]
-            if deadline is not None and time.perf_counter() > deadline:
-                leave(bounded[index:], lambda c: f"not priced: the search_seconds limit ran out (ceiling {c:,.0f} "
-                                                  "tokens/s/GPU)")
-                index = len(bounded)
-                break
-            if asked >= budget:
-                leave(bounded[index:], lambda c: f"not priced: beyond the search_layouts count (ceiling {c:,.0f} "
-                                                  "tokens/s/GPU)")
-                index = len(bounded)
-                break
-            if ceiling < bar():  # sorted: every ceiling left is lower
-                leave(bounded[index:], lambda c: f"cannot win: ceiling {c:,.0f} < the {top}th row's {bar():,.0f} "
-                                                  "tokens/s/GPU")
+            stop = _why_stop(ceiling, bar(), top, asked, budget, deadline)
+            if stop is not None:
+                leave(bounded[index:], stop)
                 index = len(bounded)
                 break
             index += 1
@@ -309,10 +335,7 @@ def _best_first(pool, bounded, fates, floors, top: int, workers: int, progress: 
         if row["recommended"]:
             fitted.add(_sibling_key(layout))
         progress.show(len(rows), max((r["tokens_per_second_per_gpu"] for r in rows if r["fits"]), default=0.0))
-        if os.environ.get("TITAN_SIMPLE_SEARCH_TRACE"):  # debugging the bounds: every priced row as it comes
-            with open(os.environ["TITAN_SIMPLE_SEARCH_TRACE"], "a") as f:
-                f.write(json.dumps({k: row[k] for k in ("layout", "ceiling", "floor_gib", "device_gib", "fits",
-                                                        "tokens_per_second_per_gpu", "time_seconds")}) + "\n")
+        _trace_row(row)
     progress.show(len(rows), max((r["tokens_per_second_per_gpu"] for r in rows if r["fits"]), default=0.0), True)
     return rows, fitted
 

@@ -19,7 +19,7 @@ and so every parameter name in ``state_dict()``, stays exactly as it was (torch'
 would insert ``_checkpoint_wrapped_module.`` into every name).
 
 Compiled, the checkpoint's ``context_fn`` is part of AOTAutograd's cache key: it must carry a stable
-``cache_hash`` and pickle, or the graph is never cached (issue 21). So every policy has a ``cache_key`` that
+``cache_hash`` and pickle, or the graph is never cached. So every policy has a ``cache_key`` that
 describes it completely, and the ``context_fn`` names its policy by that key (``_POLICIES``), not by reference.
 """
 

@@ -146,7 +146,7 @@ def tensor_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """``mesh["tp"]``, the same object at every call for one world mesh. Each slice is a new DeviceMesh, equal to
     the others, and torch 2.13's compiler does not tell equal meshes apart: a compiled block whose DTensor input
     lives on one ``tp`` object (a pipeline stage's received activation) and whose parameters on another mixes up
-    their placeholders ("Node tangents_2 was invalid, but is output", issue 30). So tensor parallel and the
+    their placeholders ("Node tangents_2 was invalid, but is output"; docs/parallelism.md). So tensor parallel and the
     pipeline's received activations use this one object."""
     world, tp = _TENSOR_PARALLEL_MESHES.get(id(mesh), (None, None))
     if world is not mesh:

@@ -112,12 +112,10 @@ def _parse_split_point(point: str, n_layers: int) -> int:
     return int(index)
 
 
-def plan_pipeline(config: JobConfig, n_layers: int, pp: int) -> PipelinePlan:
-    """Check the pipeline settings against the model and the pp degree (no communication) and plan the stages."""
-    parallelism, training = config.parallelism, config.training
+def _stage_sizes(parallelism, n_layers: int, pp: int) -> tuple[list[int], str]:
+    """The layers of each stage, and how the config made them (for the errors)."""
     schedule = parallelism.pipeline_parallel_schedule
     per_rank_needed = 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
-
     if parallelism.pipeline_parallel_split_points and parallelism.pipeline_parallel_layers_per_stage is not None:
         raise ConfigError(
             "[parallelism] pipeline_parallel_split_points and pipeline_parallel_layers_per_stage both set; "
@@ -148,8 +146,11 @@ def plan_pipeline(config: JobConfig, n_layers: int, pp: int) -> PipelinePlan:
             )
         sizes = _split_evenly(n_layers, num_stages)
         how = "the default split makes"
+    return sizes, how
 
-    num_stages = len(sizes)
+
+def _check_stages_per_rank(schedule: str, num_stages: int, pp: int, how: str) -> None:
+    """Every pp rank holds the same number of stages, as many as the schedule runs."""
     if num_stages % pp:
         raise ConfigError(
             f"[parallelism] {how} {num_stages} stages, not a multiple of pipeline_parallel_degree = {pp}; "
@@ -172,7 +173,9 @@ def plan_pipeline(config: JobConfig, n_layers: int, pp: int) -> PipelinePlan:
             f"use {2 * pp} stages."
         )
 
-    n_microbatches = training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
+
+def _check_microbatches(schedule: str, n_microbatches: int, num_stages: int, pp: int) -> None:
+    """Enough microbatches for 1F1B; whole rounds of pp microbatches for the interleaved schedules."""
     if schedule == "1F1B" and n_microbatches < num_stages:
         raise ConfigError(
             f"[parallelism] 1F1B needs at least as many microbatches as stages ({num_stages}), but "
@@ -186,6 +189,16 @@ def plan_pipeline(config: JobConfig, n_layers: int, pp: int) -> PipelinePlan:
             f"local_batch_size / pipeline_parallel_microbatch_size = {n_microbatches}; use a multiple of {pp}."
         )
 
+
+def plan_pipeline(config: JobConfig, n_layers: int, pp: int) -> PipelinePlan:
+    """Check the pipeline settings against the model and the pp degree (no communication) and plan the stages."""
+    parallelism, training = config.parallelism, config.training
+    schedule = parallelism.pipeline_parallel_schedule
+    sizes, how = _stage_sizes(parallelism, n_layers, pp)
+    num_stages = len(sizes)
+    _check_stages_per_rank(schedule, num_stages, pp, how)
+    n_microbatches = training.local_batch_size // parallelism.pipeline_parallel_microbatch_size
+    _check_microbatches(schedule, n_microbatches, num_stages, pp)
     bounds = [sum(sizes[:s]) for s in range(num_stages + 1)]
     stage_layers = tuple(tuple(range(bounds[s], bounds[s + 1])) for s in range(num_stages))
     return PipelinePlan(schedule=schedule, pp=pp, stage_layers=stage_layers, n_microbatches=n_microbatches)

@@ -238,7 +238,7 @@ class _DropMessages(logging.Filter):
         return not str(record.msg).lstrip().startswith(self.prefixes)
 
 
-# What torch says on every compiled start that no user can act on (issue 21: a quiet start).
+# What torch says on every compiled start that no user can act on (a quiet start).
 # * Logged once per process by torch._higher_order_ops.wrap for every selective-checkpoint region under compile:
 #   such regions may not hold in-place ops unless their contexts allow it. Ours do hold one (rms_norm's add_)
 #   and allow it (activation_checkpoint: allow_cache_entry_mutation=True, with the reason).
@@ -310,7 +310,7 @@ def async_tensor_parallel_matches(graph: torch.fx.Graph) -> tuple[int, int]:
 # there: a DTensor parameter's DeviceMesh, which the backward needs to return DTensor gradients. The states then
 # sit after the mesh, the runtime slices the saved tensors by count, and the first compiled step fails with
 # "expected all tensors_saved_with_vc_check to be Tensors, got ... DeviceMesh" (full AC and every-N-th-block AC
-# with SimpleFSDP, issue 30; tests/repro_rng_state_after_device_mesh.py). The wrapper moves the states in front
+# with SimpleFSDP; tests/repro_rng_state_after_device_mesh.py). The wrapper moves the states in front
 # of the opaque objects, in both graphs, where the runtime expects them.
 _original_functionalize_rng_ops = partitioners.functionalize_rng_ops
 
@@ -354,7 +354,7 @@ def _functionalize_rng_ops_before_opaque(joint_module, fw_module, bw_module, num
 def _fix_rng_functionalization_with_opaque_saved_values() -> None:
     if hasattr(graph_compile, "is_opaque_node"):  # torch 2.11 (on our first GPU) has neither it nor the bug
         partitioners.functionalize_rng_ops = _functionalize_rng_ops_before_opaque
-# --- compiling without cross-rank synchronization (pipeline parallel deadlock, issue 30) ----------------------
+# --- compiling without cross-rank synchronization (a pipeline parallel deadlock otherwise) --------------------
 #
 # Pipeline stages compile lazily, one after the other, while the ranks of the other stages wait in a P2P receive:
 # a compile may only talk to its own stage's process groups. What torch 2.13 would otherwise do while compiling

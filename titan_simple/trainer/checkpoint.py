@@ -301,16 +301,7 @@ class CheckpointManager:
                 set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=_OPTIMIZER_OPTIONS)
         if "lr_scheduler" in state:
             load_lr_scheduler_position(self.lr_scheduler, self.optimizer, _unpack(state["lr_scheduler"]))
-        if data_position is not None:
-            self._resume_data(data_position["consumed_samples"], data_position["seq_len"], saved["tokens_seen"])
-        elif "dataloader" in wanted:
-            logger.warning("checkpoint: %s has no data position (saved before the global sample index): the data "
-                           "continues after tokens_seen / seq_len samples", path)
-            self._resume_data(saved["tokens_seen"] // self.tokens_per_sample, self.tokens_per_sample,
-                              saved["tokens_seen"])
-        elif "dataloader" in self.config.exclude_from_loading and not model_only:
-            logger.warning("checkpoint: dataloader state not loaded (exclude_from_loading): the data starts over "
-                           "from the first sample")
+        self._restore_data_position(path, data_position, saved["tokens_seen"], "dataloader" in wanted, model_only)
         if "rng" in state:
             _set_rng_state(_unpack(state["rng"][rng_key]))
         elif "rng" in wanted:
@@ -322,6 +313,19 @@ class CheckpointManager:
         logger.info("checkpoint: loaded %s from %s (step %d, %s) in %.1f s", ", ".join(sorted(state)), path,
                     progress.step, f"{progress.tokens_seen:,} tokens", time.perf_counter() - started)
         return progress
+
+    def _restore_data_position(self, path: Path, position: dict[str, int] | None, tokens_seen: int, wanted: bool,
+                               model_only: bool) -> None:
+        """Where the data continues: the saved position, else (an older checkpoint) after tokens_seen."""
+        if position is not None:
+            self._resume_data(position["consumed_samples"], position["seq_len"], tokens_seen)
+        elif wanted:
+            logger.warning("checkpoint: %s has no data position (saved before the global sample index): the data "
+                           "continues after tokens_seen / seq_len samples", path)
+            self._resume_data(tokens_seen // self.tokens_per_sample, self.tokens_per_sample, tokens_seen)
+        elif "dataloader" in self.config.exclude_from_loading and not model_only:
+            logger.warning("checkpoint: dataloader state not loaded (exclude_from_loading): the data starts over "
+                           "from the first sample")
 
     def _dcp_load(self, state: dict[str, Any], path: Path) -> None:
         try:

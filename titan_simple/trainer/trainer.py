@@ -51,15 +51,22 @@ class Trainer:
 
     def __init__(self, config: JobConfig, dist_info: DistInfo | None = None) -> None:
         self.config = config
-        training = config.training
         self.dist = dist_info or read_launch_environment()
         self.device = self.dist.device
-        # Every decision and every check that needs no communication comes before the process group exists.
+        self._plan_before_communication()
+        self._start_process_groups()
+        self.dataloader = self._build_dataloader()
+        self._assemble()
+        self._build_services()
+        self._restore()
+
+    def _plan_before_communication(self) -> None:
+        """Every decision and every check that needs no communication, before the process group exists."""
+        config = self.config
         self.plan = resolve_plan(config, self.dist.world_size, self.device.type)
         self.dims = self.plan.dims
-        ft = config.fault_tolerance
         # Fault tolerance: one replica group of several; its lighthouse is checked before anything expensive.
-        self.lighthouse = check_fault_tolerance(config, self.dims) if ft.enable else None
+        self.lighthouse = check_fault_tolerance(config, self.dims) if config.fault_tolerance.enable else None
         # Each group logs into its own folder (its ranks are numbered like every other group's); checkpoints stay
         # shared in dump_folder: any group restores them.
         self.log_folder = log_folder(config)
@@ -71,43 +78,41 @@ class Trainer:
             use_compile_cache(self.plan.compile.cache_dir)
         self.tokenizer = Tokenizer(resolve_project_path(config.model.tokenizer_path))  # fails fast on a bad path
         check_vocabulary(config, self.plan.model_args, self.tokenizer.vocab_size)
-        if training.deterministic:
-            # Before the process group: ProcessGroupNCCL's constructor disables NCCL's NVLS algorithms (whose
-            # reductions are not deterministic) only when deterministic mode is already on (read in pytorch's
-            # ProcessGroupNCCL.cpp constructor, "If deterministic mode is enabled ... NCCL_ALGO=^NVLS"; the CPU
-            # wheel of 2.13 ships no CUDA library to confirm it in).
+        if config.training.deterministic:
+            # Before the process group: ProcessGroupNCCL's constructor disables NCCL's non-deterministic NVLS
+            # algorithms only when deterministic mode is already on (docs/parallelism.md).
             torch.use_deterministic_algorithms(True)
-        init_process_group(self.dist, config.comm.init_timeout_seconds)
-        torch.manual_seed(training.seed)
+
+    def _start_process_groups(self) -> None:
+        """The process group, the seed and the mesh; every group on the start-up timeout until step 1 ends."""
+        init_process_group(self.dist, self.config.comm.init_timeout_seconds)
+        torch.manual_seed(self.config.training.seed)
         self.mesh = self.dims.build_mesh(self.device.type)
         # The mesh's groups start with torch's default timeout, not the default group's: give them the start-up one.
         self.process_groups = self.dims.process_groups(self.mesh)
-        set_timeouts(self.process_groups, config.comm.init_timeout_seconds)
+        set_timeouts(self.process_groups, self.config.comm.init_timeout_seconds)
         self._start_up_timeout = True  # until the first step has ended on every rank (train())
         self._validated = False
         self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh, self.dims)
-        # Which rows of each global batch this rank reads: with fault tolerance, group g's ranks read the block the
-        # dp ranks g x dp .. (g + 1) x dp - 1 of the whole job would read.
-        data_rank = self.dp_rank + (ft.replica_id * self.dp_size if ft.enable else 0)
-        data_ranks = self.dp_size * (ft.group_size if ft.enable else 1)
 
-        self.dataloader = build_dataloader(
-            dataset=training.dataset,
-            dataset_path=training.dataset_path,
-            tokenizer=self.tokenizer,
-            seq_len=training.seq_len,
-            local_batch_size=training.local_batch_size,
-            dp_rank=data_rank,
-            dp_world_size=data_ranks,
+    def _build_dataloader(self) -> Any:
+        training, data = self.config.training, self.plan.data
+        return build_dataloader(
+            dataset=training.dataset, dataset_path=training.dataset_path, tokenizer=self.tokenizer,
+            seq_len=training.seq_len, local_batch_size=training.local_batch_size,
+            # Which rows of each global batch this rank reads (every replica group's ranks count).
+            dp_rank=data.rank(self.dp_rank), dp_world_size=data.ranks,
             # The layout-invariant order: global sample ids (data/sample_index.py).
-            global_rows=self.plan.data.global_rows,
-            shuffle_seed=self.plan.data.shuffle_seed,
-            cache=self.plan.data.cache,
+            global_rows=data.global_rows, shuffle_seed=data.shuffle_seed, cache=data.cache,
         )
-        # Fault tolerance: a step feature that averages over the replica groups; it joins them after the checkpoint.
+
+    def _assemble(self) -> None:
+        """The run (``core/assemble.build_run``); under fault tolerance the replica groups are one of the step's
+        features, and join the other groups after the checkpoint (``_restore``)."""
+        config = self.config
         self.replicas = ReplicaGroups(
             config, rank=self.dist.rank, world_size=self.dist.world_size, device=self.device,
-            lighthouse=self.lighthouse, dump_folder=self.log_folder) if ft.enable else None
+            lighthouse=self.lighthouse, dump_folder=self.log_folder) if config.fault_tolerance.enable else None
         self.run = build_run(self.plan, self.device, mesh=self.mesh,
                              features=[self.replicas] if self.replicas is not None else [])
         self.parts, self.optimizer, self.lr_scheduler = self.run.parts, self.run.optimizer, self.run.lr_scheduler
@@ -115,6 +120,10 @@ class Trainer:
         self.model_parts = self.parts.modules
         self.model, self.pipeline = self.parts.model, self.parts.pipeline  # model: None under pipeline parallel
         self.num_params, self.flops_per_token = self.parts.num_params, self.parts.flops_per_token
+
+    def _build_services(self) -> None:
+        """Metrics, memory, validation, profiling, the run status and the checkpoint manager."""
+        config = self.config
         self.metrics = MetricsLogger(
             self.log_folder, rank=self.dist.rank, enable_tensorboard=config.metrics.enable_tensorboard,
             save_tb_folder=config.metrics.save_tb_folder,
@@ -131,7 +140,7 @@ class Trainer:
         self.step = 0
         self.losses: list[float] = []  # global average loss of every step, for tests and summaries
         self._stop_signal = 0  # the first SIGINT / SIGTERM this rank received, 0 if none
-        self.run_status = RunStatus(self.log_folder, rank=self.dist.rank, steps=training.steps)
+        self.run_status = RunStatus(self.log_folder, rank=self.dist.rank, steps=config.training.steps)
         self._log_summary()
         self.tokens_seen = 0
         self.checkpoint = CheckpointManager(
@@ -140,10 +149,14 @@ class Trainer:
             dp_size=self.dp_size, device=self.device,
             special_tokens={"bos_token_id": self.tokenizer.bos_id, "eos_token_id": self.tokenizer.eos_id},
         )
-        resumed = self.checkpoint.load()  # model, optimizer, schedule, data position, RNG: all built by now
+
+    def _restore(self) -> None:
+        """The newest checkpoint (model, optimizer, schedule, data position, RNG: all built by now); then, under
+        fault tolerance, the quorum: the groups compare steps, and one that is behind heals from a peer."""
+        resumed = self.checkpoint.load()
         if resumed is not None:
             self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
-        if self.replicas is not None:  # after the checkpoint: the groups compare steps, one behind heals from a peer
+        if self.replicas is not None:
             params = [p for part in self.model_parts for p in part.parameters()]
             self.replicas.connect(ReplicaState(params, self.optimizer, self.lr_scheduler, self._ft_progress))
 
@@ -231,7 +244,7 @@ class Trainer:
         return iter(self.dataloader)
 
     def train(self) -> list[float]:
-        steps, log_freq = self.config.training.steps, self.config.metrics.log_freq
+        steps = self.config.training.steps
         if self.config.checkpoint.create_seed_checkpoint:
             self.checkpoint.save_seed()
             return []
@@ -261,44 +274,10 @@ class Trainer:
                     data_iter = iter(self.dataloader)
                     continue
                 if self.step == resumed_at + 1 and self.plan.compile.enabled:  # every graph is compiled by now
-                    compiled = self.step_fn.compiled_modules()
-                    logger.info(describe_compile_cache(comm_plan_recorders(compiled)))
-                # Tokens per device: ranks that split one batch (tensor / pipeline parallel) share its tokens.
-                timer.step_done(result.global_tokens // self.dist.world_size)
-                avg_loss, max_loss = global_avg_and_max(result.local_mean)
-                self.losses.append(avg_loss)
-                live_groups = self.replicas.live_groups if self.replicas is not None else 1
-                self.tokens_seen += result.global_tokens * live_groups
-                if self.step == 1 or self.step % log_freq == 0 or self.step == steps:
-                    metrics = {
-                        "loss_metrics/global_avg_loss": avg_loss,
-                        "loss_metrics/global_max_loss": max_loss,
-                        "grad_norm": result.grad_norm.item(),
-                        "lr": result.lr,
-                        **timer.window_metrics(self.flops_per_token, self.peak_flops),
-                        **self.memory.read(),
-                        **(self.replicas.metrics() if self.replicas is not None else {}),
-                    }
-                    self.metrics.log(self.step, metrics, total_steps=steps,
-                                     eta_seconds=timer.eta_seconds(steps - self.step))
-                    self.memory.reset_peak()
-                self.profiler.step(self.step)  # before validation: traces show training steps only
-                if self.validator is not None and self.validator.due(self.step, steps):
-                    with timer.excluded():  # not part of the training throughput
-                        self.metrics.log(self.step, self._validate(), total_steps=steps)
-                if self.replicas is not None:
-                    self.replicas.step_done(self.step)
-                # With fault tolerance one group writes the shared checkpoints (the first in the quorum).
-                writes = self.replicas is None or self.replicas.writes_checkpoints()
-                self.checkpoint.save(self._progress(), last=self.step == steps, write=writes)
-                stop_signal = self._stop_signal_of_any_rank()
-                if self._start_up_timeout:  # every rank got past this step's all-reduce: none is still compiling
-                    set_timeouts(self.process_groups, self.config.comm.train_timeout_seconds)
-                    self._start_up_timeout = False
+                    logger.info(describe_compile_cache(comm_plan_recorders(self.step_fn.compiled_modules())))
+                self._record(result, timer)
+                stop_signal = self._after_step(timer)
                 if stop_signal is not None:
-                    # nothing to do if this step just saved
-                    self.checkpoint.save(self._progress(), force=True, write=writes)
-                    logger.warning("stopped at step %d of %d on request", self.step, steps)
                     break
             self.checkpoint.close()  # a background save still running
         except BaseException as error:
@@ -313,3 +292,46 @@ class Trainer:
                 self.replicas.shutdown()
         self._write_end_status(stop_signal)
         return self.losses
+
+    def _record(self, result: StepResult, timer: StepTimer) -> None:
+        """The step's global loss, its tokens, and (every ``log_freq`` steps) the logged metrics."""
+        steps = self.config.training.steps
+        # Tokens per device: ranks that split one batch (tensor / pipeline parallel) share its tokens.
+        timer.step_done(result.global_tokens // self.dist.world_size)
+        avg_loss, max_loss = global_avg_and_max(result.local_mean)
+        self.losses.append(avg_loss)
+        live_groups = self.replicas.live_groups if self.replicas is not None else 1
+        self.tokens_seen += result.global_tokens * live_groups
+        if self.step == 1 or self.step % self.config.metrics.log_freq == 0 or self.step == steps:
+            metrics = {
+                "loss_metrics/global_avg_loss": avg_loss,
+                "loss_metrics/global_max_loss": max_loss,
+                "grad_norm": result.grad_norm.item(),
+                "lr": result.lr,
+                **timer.window_metrics(self.flops_per_token, self.peak_flops),
+                **self.memory.read(),
+                **(self.replicas.metrics() if self.replicas is not None else {}),
+            }
+            self.metrics.log(self.step, metrics, total_steps=steps, eta_seconds=timer.eta_seconds(steps - self.step))
+            self.memory.reset_peak()
+
+    def _after_step(self, timer: StepTimer) -> signal.Signals | None:
+        """Profile, validate, checkpoint; returns the stop signal of any rank (after saving), else None."""
+        steps = self.config.training.steps
+        self.profiler.step(self.step)  # before validation: traces show training steps only
+        if self.validator is not None and self.validator.due(self.step, steps):
+            with timer.excluded():  # not part of the training throughput
+                self.metrics.log(self.step, self._validate(), total_steps=steps)
+        if self.replicas is not None:
+            self.replicas.step_done(self.step)
+        # With fault tolerance one group writes the shared checkpoints (the first in the quorum).
+        writes = self.replicas is None or self.replicas.writes_checkpoints()
+        self.checkpoint.save(self._progress(), last=self.step == steps, write=writes)
+        stop_signal = self._stop_signal_of_any_rank()
+        if self._start_up_timeout:  # every rank got past this step's all-reduce: none is still compiling
+            set_timeouts(self.process_groups, self.config.comm.train_timeout_seconds)
+            self._start_up_timeout = False
+        if stop_signal is not None:
+            self.checkpoint.save(self._progress(), force=True, write=writes)  # nothing to do if this step saved
+            logger.warning("stopped at step %d of %d on request", self.step, steps)
+        return stop_signal

@@ -1,0 +1,48 @@
+"""What names a run's compiled graphs: the compile cache's folder and the fingerprint of what the graphs are
+made of (the model, the layout, the recipe's settings, the loss, the shapes, torch and this package's source).
+The plan computes both (``core/plan.py``); the compile cache keeps the comm plan under the fingerprint."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import os
+from pathlib import Path
+
+import torch
+
+from titan_simple.config import JobConfig
+from titan_simple.core.loss import LossPlan
+from titan_simple.models.float8 import Float8Plan
+from titan_simple.models.llama3 import ModelArgs
+from titan_simple.parallel.parallelize import ParallelPlan
+from titan_simple.parallel.pipeline import PipelinePlan
+
+
+def compile_cache_folder(config: JobConfig) -> str:
+    """``[compile] cache_dir``, by default ``<dump_folder>/compile_cache`` (``compile/cache.py``)."""
+    return config.compile.cache_dir or os.path.join(config.job.dump_folder, "compile_cache")
+
+
+def compile_fingerprint(config: JobConfig, model_args: ModelArgs, parallel: ParallelPlan, loss: LossPlan,
+                        pipeline: PipelinePlan | None, accumulation: int, float8: Float8Plan | None = None) -> str:
+    """What this rank's compiled graphs are made of, hashed: the model, the layout and what the recipe applies
+    (dtypes, checkpointing, compile settings), the loss, the shapes of a microbatch, the torch version and this
+    package's source. It names the comm plan's copy in the compile cache (torch's own cache keys decide
+    whether a graph is reused; this only has to tell one run's graphs from another's)."""
+    training = config.training
+    parts = [repr(model_args), repr(dataclasses.replace(parallel, compile=dataclasses.replace(
+                 parallel.compile, dump_folder=None, cache_dir="", fingerprint=""))),
+             repr(loss), repr(pipeline), repr(float8), str(accumulation), str(training.seq_len),
+             str(training.local_batch_size),
+             str(config.parallelism.pipeline_parallel_microbatch_size), torch.__version__, _package_source_hash()]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+
+
+@functools.cache
+def _package_source_hash() -> str:
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parent.parent.rglob("*.py")):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
