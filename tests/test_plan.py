@@ -153,10 +153,10 @@ FEATURE_MODULES = ("titan_simple.trainer.fault_tolerance", "titan_simple.paralle
 
 
 def test_the_assembly_is_written_once_and_everything_calls_it():
-    files = [*_sources(), *(REPO / "tests").glob("*.py")]
+    sources = _sources()
+    sources.update({path: ast.parse(path.read_text()) for path in (REPO / "tests").glob("*.py")})
     callers = collections.defaultdict(set)
-    for path in files:
-        tree = _sources().get(path) or ast.parse(path.read_text())
+    for path, tree in sources.items():
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and _called_name(node) in (*ASSEMBLY_STEPS, "build_run"):
                 callers[_called_name(node)].add(str(path.relative_to(REPO)))
