@@ -85,7 +85,7 @@ def data_parallel_floor(layout: Layout, args: ModelArgs, sizes: ModelSizes, spec
     """Seconds (per microbatch pass, per step) of the data-parallel traffic the dry run will price at least:
     rank 0's weights all-gathered once (forward) and their gradients reduce-scattered (or all-reduced,
     replicated), with no per-collective latency; where SimpleFSDP gathers once per step, that one all-gather,
-    which a compiled step waits for (``report.once_per_step_split``), per step."""
+    which a compiled step waits for (``prediction.once_per_step_split``), per step."""
     once = layout.values.get("parallelism.fsdp_gather") == "once_per_step"
     plan = pipeline_of(layout, args.n_layers)
     blocks = rank0_blocks(plan, args.n_layers)

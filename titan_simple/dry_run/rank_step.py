@@ -269,7 +269,7 @@ def trace_rank(run: RunPlan, mesh: DeviceMesh | None) -> RankTrace:
             gather.phase_scope = partial(_in_phase, tracer)  # its work inside the microbatch: once per step
             # No reduce-scatter starts inside the traced backward: in a step of several microbatches every held
             # gradient is alive until the last one, which is the peak this trace of one microbatch must show.
-            # The time model overlaps the reduces (report.once_per_step_split).
+            # The time model overlaps the reduces (prediction.once_per_step_split).
             gather.gather(microbatches=None)
         results = [_trace_part(part, stage, run, tracer, mesh, train_step)
                    for part, stage in zip(parts, stages, strict=True)]

@@ -8,14 +8,14 @@
    (``layouts.dominated``), and layouts whose ``bounds.memory_floor`` does not fit.
 3. One block per class of (replication, tensor parallel, microbatch, activation checkpointing, float8,
    gathering), traced at 1 and 2 blocks, gives each layout its ``bounds.speed_ceiling``.
-4. Best first: layouts are priced in order of their ceiling by the standalone dry run itself (``search_worker``,
+4. Best first: layouts are priced in order of their ceiling by the standalone dry run itself (``pricing_workers``,
    a fresh process per layout), until ``search_top`` recommended layouts are faster than every ceiling left or
    ``search_layouts`` are priced (a count: results are taken in the order they were asked for, so the table does
    not depend on the machine's load; ``search_seconds`` adds an optional time limit). A heavier activation
    checkpointing of a layout whose lighter one is recommended is skipped (it only adds recomputation).
 5. Recommended: a layout that fits with ``memory_headroom`` to spare (the dry run's own error against published
    runs); one that fits with less is counted, never ranked.
-6. The table (``search_table``) and ``search.json``: every candidate with its fate.
+6. The table (``search_printout``) and ``search.json``: every candidate with its fate.
 """
 
 from __future__ import annotations
