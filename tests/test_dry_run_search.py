@@ -106,6 +106,12 @@ def test_the_table_is_ranked_recommended_and_says_why_each_runner_up_loses(searc
     published = search["published"]
     fitting = [row["tokens_per_second_per_gpu"] for row in search["priced"] if row["recommended"]]
     assert published["rank"] == 1 + sum(s > published["tokens_per_second_per_gpu"] for s in fitting)
+    # the config's line: its rank among the recommended, or where it would rank when it is not recommended
+    for recommended, place in ((True, f"): rank {published['rank']}, "),
+                               (False, f"): would rank {published['rank']} among the recommended, ")):
+        shown = format_search({**search, "published": {**published, "recommended": recommended}})
+        line = next(line for line in shown.splitlines() if "the config as written (" in line)
+        assert place in line, line
     assert published["tokens_per_second_per_gpu"] <= speeds[0]
     # every candidate is in search.json with its fate; the bounds hold for every priced layout
     assert len(search["candidates"]) == search["layouts"] == sum(search["fates"].values())

@@ -5,14 +5,14 @@
 
 The trainer, the dry run's tracer, the search workers, the parity tests' reference, ``scripts/gpu_check.py`` and
 ``scripts/benchmarks/measure_memory.py`` all call it, so what they check or measure is what trains. It also installs the
-step's features (``train/step.StepFeature``): float8's per-step weight refresh when the plan gathers float8
+step's features (``core/step.StepFeature``): float8's per-step weight refresh when the plan gathers float8
 weights, and what the caller adds (fault tolerance's cross-group average), so the step's body names no feature.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -39,7 +39,6 @@ class Run:
     step: TrainStep
     dp_rank: int
     dp_size: int
-    features: list[StepFeature] = field(default_factory=list)
 
     @property
     def config(self) -> JobConfig:
@@ -81,4 +80,4 @@ def build_run(plan: RunPlan, device: torch.device, *, mesh: DeviceMesh | None = 
                             keep_grad_buffers=keep_grad_buffers)
     dp_rank, dp_size = dp_rank_and_size(mesh, plan.dims)
     return Run(plan=plan, mesh=mesh, parts=parts, optimizer=optimizer, lr_scheduler=lr_scheduler, step=step,
-               dp_rank=dp_rank, dp_size=dp_size, features=installed)
+               dp_rank=dp_rank, dp_size=dp_size)
