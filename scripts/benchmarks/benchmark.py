@@ -97,7 +97,7 @@ WORKLOADS: dict[str, Workload] = {
                             local_batch_size=32,
                             extra=("--activation_checkpoint.mode=selective", "--training.mixed_precision_param=auto")),
     # Pipeline parallel with data parallel (4 ranks: pp2 x dp_shard2), 8 microbatches of 32 tokens against 27M
-    # parameters: how often SimpleFSDP gathers decides the step ([parallelism] fsdp_gather, issue 14).
+    # parameters: how often SimpleFSDP gathers decides the step ([parallelism] fsdp_gather).
     "comm_pp2": Workload("comm_pp2", "communication-heavy, pp2 x dp_shard2, 8 microbatches", "debugmodel_large",
                          seq_len=32, local_batch_size=8,
                          extra=("--parallelism.pipeline_parallel_degree=2",
@@ -146,7 +146,7 @@ def config_matrix() -> list[BenchConfig]:
         label = f"SimpleFSDP compiled, {bucketing}" + (" + reorder" if reorder else "")
         configs.append(BenchConfig(name, label, (*simple, *on, f"--compile.bucketing={bucketing}",
                                                  f"--compile.reorder={str(reorder).lower()}")))
-    # Regional compilation (issue 21): one compiled code for every block, bucketed and reordered inside it.
+    # Regional compilation: one compiled code for every block, bucketed and reordered inside it.
     configs.append(BenchConfig("simple_regional", "SimpleFSDP compiled regionally (2 blocks per region)",
                                (*simple, *on, "--compile.regional=true")))
     for blocks in (1, 4):
@@ -175,7 +175,7 @@ def gather_configs() -> list[BenchConfig]:
 
 
 def float8_configs() -> list[BenchConfig]:
-    """Float8 (issue 31) against the same job without it, SimpleFSDP compiled with the defaults: on CPU torchao
+    """Float8 against the same job without it, SimpleFSDP compiled with the defaults: on CPU torchao
     emulates the float8 matmuls in fp32 after real casts, so these rows price the casts and the byte gathers, not
     float8's speed. Not part of ``all``."""
     base = ("--parallelism.fsdp_implementation=simple", "--compile.enable=true")
@@ -188,7 +188,7 @@ def float8_configs() -> list[BenchConfig]:
 
 
 def memory_configs() -> list[BenchConfig]:
-    """What activation checkpointing and the loss keep (issue 19), with selective AC (the ``peer`` workload):
+    """What activation checkpointing and the loss keep, with selective AC (the ``peer`` workload):
     the old default (every matmul output saved, the plain loss), TorchTitan's policy (every second matmul), and
     that with the chunked loss (today's default). Eager and compiled; not part of ``all``."""
     simple = ("--parallelism.fsdp_implementation=simple",)
@@ -503,7 +503,7 @@ def results_table(results: dict[tuple[str, int, str], dict], configs: Sequence[B
 
 
 def check_targets(results: dict[tuple[str, int, str], dict]) -> list[str]:
-    """Issue 5's acceptance targets at world size 2, each as one line with the numbers."""
+    """The compiled-SimpleFSDP targets at world size 2 (docs/benchmarks.md), each as one line with the numbers."""
     lines = []
     compiled = [n for n in {k[2] for k in results} if n.startswith("simple_") and n != "simple_eager"]
 
@@ -661,7 +661,7 @@ def report(results, configs, args, argv: Sequence[str], elapsed_s: float) -> str
         "",
         results_table(results, configs),
         "",
-        "Targets (issue 5, world size 2):",
+        "Targets (world size 2):",
         "",
         *[f"- {line}" for line in check_targets(results)],
     ]

@@ -1,4 +1,4 @@
-"""Time to the first step against depth, cold and warm (issue 21): what compiling costs a start and a restart.
+"""Time to the first step against depth, cold and warm: what compiling costs a start and a restart.
 
     .venv/bin/python scripts/benchmarks/benchmark_compile.py --doc  # 6, 12, 24, 48 blocks; ~25 min on 2 cores
     .venv/bin/python scripts/benchmarks/benchmark_compile.py --depths 6,24 --out /tmp/compile_bench

@@ -63,7 +63,7 @@ CASES: list[tuple[str, list[str], tuple[float, float] | None, tuple[float, float
      [*SHIPPED_405B, "--parallelism.enable_async_tensor_parallel", "false"], None, None),
     ("405B shipped config, gathering per microbatch (fsdp_gather = per_microbatch), dp comm exposed (not published)",
      [*SHIPPED_405B, "--parallelism.fsdp_gather", "per_microbatch"], None, None),
-    # Float8 (issue 31): TorchTitan's published float8 runs (benchmarks/llama3_h100_202412_torchtitan.md and
+    # Float8: TorchTitan's published float8 runs (benchmarks/llama3_h100_202412_torchtitan.md and
     # asyncTP_llama3_h100_2025-06_torchtitan.md), tensorwise, our float8 all-gather on (the default).
     ("TorchTitan 8B, 8 H100, FSDP8, lbs 2, selective AC, compiled, float8",
      ["--config", "llama3_8b.toml", "--dry_run.world_size", "8", "--training.local_batch_size", "2",

@@ -224,7 +224,7 @@ class CompilePlan:
     """What ``[compile]`` means for this run (decided by ``core/plan.py``).
 
     ``mode``: ``off``; ``whole`` (the model, or each pipeline stage, is one graph, collectives included);
-    ``whole_with_loss`` (the training step compiles the model and its loss as one graph, ``core/loss.py``);
+    ``whole_with_loss`` (the build compiles the model and its loss as one graph, ``core/loss.ModelWithLoss``);
     ``per_block`` (each transformer block on its own: FSDP2, TP inside multi-stage pipelines, zero-bubble
     schedules; no whole-step graph to bucket or reorder); ``regional`` (``[compile] regional``: the transformer
     blocks share one compiled code, which buckets and reorders their collectives; the last region runs the norm

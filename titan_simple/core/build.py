@@ -6,7 +6,8 @@
                                                             # (train/assemble.build_run calls it)
 
 The model is built on the meta device and goes through the recipe (``parallelize.parallelize_llama``: tensor
-parallel -> activation checkpointing -> SimpleFSDP / FSDP2 -> compile) as ``plan.parallel`` says; with pipeline
+parallel -> activation checkpointing -> SimpleFSDP / FSDP2 -> compile) as ``plan.parallel`` says (a
+``whole_with_loss`` compile, of the model and its loss as one graph, is done here after the recipe); with pipeline
 parallel it is split into stages first and each stage gets the recipe (``pipeline.build_pipeline``). Then every
 part is materialized and initialized with layout-invariant random numbers (``sharded_init``): the same seed
 gives the same weights on every layout. ``materialize=False`` leaves the parts on the meta device (the dry run
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_simple.core.loss import ModelWithLoss
 from titan_simple.core.plan import RunPlan
 from titan_simple.models.float8 import convert_to_float8
 from titan_simple.models.llama3 import ModelArgs, Transformer, count_parameters, flops_per_token
@@ -44,11 +46,18 @@ class ModelParts:
     # Set when SimpleFSDP gathers once per step ([parallelism] fsdp_gather): the step calls gather() before its
     # first microbatch and reduce() after its last.
     step_gather: StepGather | None = None
+    # The model and its loss as one module, compiled as one graph when the plan says so
+    # (``plan.loss.compiled_with_model``); the step runs it instead of the model.
+    model_with_loss: ModelWithLoss | None = None
 
     @property
     def model(self) -> nn.Module | None:
         """The whole model when there is no pipeline, else None."""
         return self.modules[0] if self.pipeline is None else None
+
+    def compiled_modules(self) -> list[nn.Module]:
+        """The modules whose compiled graphs run in a step (where the comm plan recorders look)."""
+        return [*self.modules, *([self.model_with_loss] if self.model_with_loss is not None else [])]
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for module in self.modules for p in module.parameters()]
@@ -88,5 +97,17 @@ def build_model_parts(plan: RunPlan, mesh: DeviceMesh | None, device: torch.devi
     return ModelParts(
         model_args=plan.model_args, modules=modules, pipeline=pipeline,
         device=device if materialize else torch.device("meta"), num_params=num_params, flops_per_token=flops,
-        step_gather=step_gather,
+        step_gather=step_gather, model_with_loss=_model_with_loss(plan, modules),
     )
+
+
+def _model_with_loss(plan: RunPlan, modules: list[nn.Module]) -> ModelWithLoss | None:
+    """The model and the loss as one module when the plan compiles them together (``whole_with_loss``); it is
+    compiled here, where the recipe (``parallelize_llama``) compiles every other mode, so that the step runs
+    what it is given and compiles nothing. The dry run's plan has compile off: it traces the module eagerly."""
+    if not plan.loss.compiled_with_model:
+        return None
+    model_with_loss = ModelWithLoss(modules[0], plan.autocast, plan.loss)
+    if plan.compile.enabled:
+        plan.compile.compile_whole(model_with_loss, plan_root="model")
+    return model_with_loss

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import torch
 
 from titan_simple.core.build import ModelParts
-from titan_simple.core.loss import ModelWithLoss
 from titan_simple.core.plan import RunPlan
 from titan_simple.parallel.clip_grad import clip_grad_norm_
 from titan_simple.parallel.fsdp2 import gradient_averaging_factor
@@ -148,7 +147,7 @@ class TrainStep:
 
     def compiled_modules(self) -> list[torch.nn.Module]:
         """The modules whose compiled graphs run in this step (where the comm plan recorders look)."""
-        return list(self.parts.modules)
+        return self.parts.compiled_modules()
 
     def _params_with_gradients(self) -> list[torch.nn.Parameter]:
         return [p for part in self.parts.modules for p in part.parameters() if p.grad is not None]
@@ -195,26 +194,16 @@ class TrainStep:
 
 class LocalStep(TrainStep):
     """The whole model on this rank (any data / tensor parallel layout). When the plan compiles the loss with
-    the model (``plan.loss.compiled_with_model``), they are compiled as one graph (``ModelWithLoss``)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.model_with_loss: ModelWithLoss | None = None
-        if self.plan.loss.compiled_with_model:
-            self.model_with_loss = ModelWithLoss(self.parts.modules[0], self.autocast, self.plan.loss)
-            if self.plan.compile.enabled:  # the dry run traces the same step eagerly (plan.without_compile)
-                self.plan.compile.compile_whole(self.model_with_loss, plan_root="model")
-
-    def compiled_modules(self) -> list[torch.nn.Module]:
-        extra = [self.model_with_loss] if self.model_with_loss is not None else []
-        return [*self.parts.modules, *extra]
+    the model (``plan.loss.compiled_with_model``), the build gives the model and its loss as one module
+    (``parts.model_with_loss``) and the step runs that."""
 
     def _forward_backward(self, inputs, labels, loss_scale):
         self.hooks.phase("forward")
-        if self.model_with_loss is None:
+        model_with_loss = self.parts.model_with_loss
+        if model_with_loss is None:
             loss_sum = self._eager_loss(inputs, labels)
         else:  # never with loss parallel (plan.choose_compile_mode)
-            loss_sum = self.model_with_loss(inputs, labels)
+            loss_sum = model_with_loss(inputs, labels)
         with loss_parallel_context(self.plan.loss.parallel):
             self.hooks.phase("backward")
             (loss_sum * loss_scale).backward()

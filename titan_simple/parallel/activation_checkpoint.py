@@ -250,9 +250,8 @@ class SelectiveOpPolicy:
     parallel does: one more all-gather per sublayer, no more memory than the shard.
 
     The matmul count restarts for every checkpointed forward: ``fresh()`` gives each call its own counters, one
-    for the forward and one for its recomputation. torch 2.13 calls the policy in the forward only (the
-    recomputation replays its decisions); torch 2.11 calls it again while recomputing (``ctx.is_recompute``), where
-    one shared count would run on and recompute wk from wq's saved output (seen eagerly on torch 2.11)."""
+    for the forward and one for its recomputation: a torch that calls the policy again while recomputing
+    (``ctx.is_recompute``) must count from the start there too, or it would recompute the wrong matmuls."""
 
     def __init__(self, every_second_matmul: bool, tensor_parallel_groups: Iterable[str] = (),
                  save_float8_amax: bool = True) -> None:

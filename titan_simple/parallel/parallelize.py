@@ -63,8 +63,8 @@ class ParallelPlan:
 
 def parallelize_llama(model: nn.Module, mesh: DeviceMesh | None, plan: ParallelPlan) -> nn.Module:
     """Apply tensor parallel, activation checkpointing, data parallel and compilation to ``model`` (on the
-    meta device). A ``whole_with_loss`` compile is left to the training step (it compiles the model together
-    with its loss); per-block compilation is done here."""
+    meta device). A ``whole_with_loss`` compile is left to the build (``core/build.py`` compiles the model
+    together with its loss); every other compile mode is done here."""
     dims = plan.dims
     if dims.tp > 1:
         apply_tensor_parallel(model, tensor_parallel_mesh(mesh), loss_parallel=plan.loss_parallel,
