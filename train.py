@@ -3,6 +3,8 @@
 Also runs as plain ``python train.py ...`` (one process). ``--help`` lists every config key.
 ``python train.py --config llama3_70b.toml --dry_run --dry_run.world_size 256`` plans a cluster run instead
 (per-rank memory, collectives, predicted tokens/s; see titan_simple/dry_run/run.py).
+``python train.py --config ... --compile.precompile_world_size 8`` compiles an 8-rank job's graphs ahead into
+``[compile] cache_dir`` (titan_simple/dry_run/precompile.py).
 """
 
 from __future__ import annotations
@@ -30,6 +32,11 @@ def main(argv: list[str] | None = None) -> int:
             from titan_simple.dry_run.run import run_dry_run
 
             run_dry_run(config)
+            return 0
+        if config.compile.precompile_world_size:  # compile a job's graphs ahead, from this one process
+            from titan_simple.dry_run.precompile import precompile
+
+            precompile(config)
             return 0
         from titan_simple.trainer.distributed import shutdown_distributed
         from titan_simple.trainer.trainer import Trainer

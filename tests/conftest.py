@@ -5,11 +5,15 @@ import tempfile
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
-# Compiled graphs are not reused across tests: a test of our post-grad pass (bucketing, reordering, the comm plan)
-# must see the pass run, and a graph loaded from torch's cache skips it. The tests of the compile cache itself
-# (tests/test_compile_cache.py) switch these back on for their runs. Kernels are still shared through one
-# folder for the whole suite (an explicit TORCHINDUCTOR_CACHE_DIR wins over [compile] cache_dir, whose default
-# under each test's dump folder would build them again for every test).
-os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
-os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
+# A single process's compiled graphs are not reused across tests: a test of our post-grad pass (bucketing,
+# reordering, the comm plan) must see the pass run, and a graph loaded from torch's cache skips it. The FX graph
+# cache is off by default (TORCHINDUCTOR_FX_GRAPH_CACHE_DEFAULT: a default, which a config patch overrides, not
+# TORCHINDUCTOR_FX_GRAPH_CACHE, which would win over it), and AOT autograd's cache saves nothing without it. A
+# multi-rank compiled job compiles once (compile/once.py): it turns both caches on for its compiles, its leader
+# compiles into the suite's folder and the other ranks load, so a later job of the same graphs loads them too,
+# its comm plan read back from the copy the compiling job kept (compile/cache.py). The tests of the compile cache
+# itself (tests/test_compile_cache.py, tests/test_compile_once.py) use folders of their own. Kernels are shared
+# through one folder for the whole suite (an explicit TORCHINDUCTOR_CACHE_DIR wins over [compile] cache_dir, whose
+# default under each test's dump folder would build them again for every test).
+os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE_DEFAULT", "0")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "titan_simple_tests_inductor"))

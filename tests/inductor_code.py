@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from titan_simple.parallel.torch_private import run_and_get_code
+from titan_simple.compile.inductor_private import run_and_get_code
 
 
 def overlap_in_generated_code(fn: Callable[[], Any]) -> list[list[int]]:

@@ -1,5 +1,5 @@
 """Reproduce torch 2.13's failure to run a compiled step that recomputes attention over DTensor parameters, and
-show that titan_simple's fix (``parallel/torch_private.prepare_compile``) makes it train (issue 30).
+show that titan_simple's fix (``compile/inductor_private.prepare_compile``) makes it train (issue 30).
 
     python tests/repro_rng_state_after_device_mesh.py                 # with the fix: trains, same as eager
     python tests/repro_rng_state_after_device_mesh.py --without-fix   # torch as shipped: AssertionError
@@ -77,7 +77,7 @@ def main() -> None:
     parser.add_argument("--without-fix", action="store_true", help="torch as shipped (the step fails)")
     args = parser.parse_args()
     if not args.without_fix:
-        from titan_simple.parallel.torch_private import prepare_compile
+        from titan_simple.compile.inductor_private import prepare_compile
 
         prepare_compile()
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -19,10 +19,10 @@ import pytest
 
 from tests.distributed_utils import run_on_ranks
 from tests.parity import Recipe, build_layout, train_steps
+from titan_simple.compile.inductor_private import async_tensor_parallel_options, rank_local_compile_options
 from titan_simple.config import load_job_config
 from titan_simple.core.plan import resolve_plan
 from titan_simple.errors import ConfigError
-from titan_simple.parallel.torch_private import async_tensor_parallel_options, rank_local_compile_options
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 TP2 = ("--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1")
@@ -59,8 +59,8 @@ def _compiled_graph_matches(rank: int, world_size: int) -> list[tuple[int, int]]
     what the pass's pattern finders match."""
     import torch._inductor.fx_passes.post_grad as post_grad
 
-    from titan_simple.compile import compiler as compile_module
-    from titan_simple.parallel.torch_private import async_tensor_parallel_matches
+    from titan_simple.compile.compile_plan import CompilePlan
+    from titan_simple.compile.inductor_private import async_tensor_parallel_matches
 
     # The pass the Inductor switch runs (post_grad.py: `if config._micro_pipeline_tp: micro_pipeline_tp_pass`).
     assert callable(getattr(post_grad, "micro_pipeline_tp_pass", None)), "torch moved the async-TP pass"
@@ -73,7 +73,7 @@ def _compiled_graph_matches(rank: int, world_size: int) -> list[tuple[int, int]]
 
     post_grad.micro_pipeline_tp_pass = counting_pass
     # The plan refuses async TP on CPU (nothing would be fused); the compile's switch is what is tested here.
-    compile_module.CompilePlan.inductor_options = lambda self: async_tensor_parallel_options()
+    CompilePlan.inductor_options = lambda self: async_tensor_parallel_options()
     recipe = Recipe(global_batch=2, steps=1, extra=BLOCKS)
     train_steps(build_layout(recipe.config(*TP2, "--compile.enable"), world_size), recipe)
     return matches

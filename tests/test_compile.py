@@ -52,10 +52,12 @@ def test_bad_bucketing_is_rejected():
 
 def test_the_gpu_runtime_model_is_inductors_analytical_one():
     """On CUDA the overlap scheduler prices nodes with Inductor's analytical model: no calibration, nothing sent."""
-    from titan_simple.parallel.torch_private import analytical_runtime_ms, rank_local_compile_options
+    from titan_simple.compile.inductor_private import analytical_runtime_ms, rank_local_compile_options
 
     assert compile_mod.runtime_estimator(cpu=False) is analytical_runtime_ms
-    plan = compile_mod.CompilePlan(mode="whole")
+    from titan_simple.compile.compile_plan import CompilePlan
+
+    plan = CompilePlan(mode="whole")
     assert rank_local_compile_options().items() <= plan.inductor_options().items()
 
 
@@ -77,7 +79,7 @@ class _WrapMultiOutputNode(compile_mod.CustomGraphPass):
     """Pins the multi-output node after the matmul, and the next multiplication after the multi-output node."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        from titan_simple.parallel.torch_private import add_control_deps, control_deps
+        from titan_simple.compile.inductor_private import add_control_deps, control_deps
 
         nodes = list(graph.nodes)
         mm = next(n for n in nodes if n.target is torch.ops.aten.mm.default)

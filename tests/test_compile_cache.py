@@ -81,7 +81,7 @@ def test_the_compile_fingerprint_changes_with_what_changes_the_graphs():
 
 
 def test_the_cache_folder_is_the_configured_one_unless_the_environment_names_one(tmp_path, monkeypatch):
-    from titan_simple.parallel.torch_private import default_inductor_cache_dir
+    from titan_simple.compile.inductor_private import default_inductor_cache_dir
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_inductor_cache_dir())  # what importing torch sets
     assert use_compile_cache(str(tmp_path / "mine")) == str(tmp_path / "mine")
@@ -144,3 +144,7 @@ def test_a_resumed_run_reuses_the_compiled_graphs_and_a_changed_one_compiles(tmp
     other = _torchrun(tmp_path / "other", "--training.steps", "1", "--compile.reorder", "false",
                       "--compile.cache_dir", str(dump / "compile_cache"))
     assert "compile cache: compiled 2 graphs" in _cache_line(other)
+    # ... and the start says why, once: the folder last held the first run's graphs, another recipe.
+    why = [line for line in (other.stdout + other.stderr).splitlines() if "compile again" in line]
+    assert len(why) == 1 and "(layout and recipe changed)" in why[0], why
+    assert not any("compile again" in line for line in (resumed.stdout + resumed.stderr).splitlines())

@@ -123,7 +123,7 @@ class CompileWatch:
 def _compile_every_setting(rank: int, world_size: int) -> dict[str, dict]:
     import titan_simple.compile.compiler as compile_module
     from titan_simple.compile.compiler import comm_plan_recorders
-    from titan_simple.parallel.torch_private import analytical_runtime_ms
+    from titan_simple.compile.inductor_private import analytical_runtime_ms
 
     # The GPU's runtime model (no calibration, no NCCL), which the overlap scheduler gets on CUDA.
     compile_module.runtime_estimator = lambda cpu: analytical_runtime_ms

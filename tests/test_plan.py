@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import collections
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -291,3 +293,21 @@ def test_steps_built_by_the_parity_helper_and_the_dry_run_use_the_trainers_autoc
     assert isinstance(traced_context, torch.autocast) and traced_context.fast_dtype == torch.bfloat16
     logits, labels = torch.randn(1, 4, 8), torch.randint(0, 8, (1, 4))
     assert torch.equal(step.loss(logits, labels, 0.5), layout.plan.loss.scaled(logits, labels, 0.5))
+
+
+LIGHT_SCRIPT_IMPORTS = """
+import sys
+import titan_simple.trainer.fault_tolerance, titan_simple.trainer.run_status  # scripts/run_status.py, the launcher
+heavy = ("titan_simple.core.step", "titan_simple.core.build", "titan_simple.parallel.parallelize",
+         "torch.distributed.pipelining", "torch._dynamo", "torch._inductor.compile_fx")
+print("HEAVY", [m for m in heavy if m in sys.modules])
+"""
+
+
+def test_the_status_and_launcher_scripts_import_no_model_or_compiler():
+    """scripts/run_status.py and scripts/fault_tolerance.py answer in a couple of seconds: the fault-tolerance and
+    run-status modules they import reach neither the model, the parallelisms nor the compiler (a StepFeature
+    import from core/step.py once cost every call of run_status.py ~2 s)."""
+    done = subprocess.run([sys.executable, "-c", LIGHT_SCRIPT_IMPORTS], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
+    assert "HEAVY []" in done.stdout, done.stdout + done.stderr[-2000:]

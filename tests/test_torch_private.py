@@ -1,8 +1,9 @@
-"""The private torch APIs of ``titan_simple.parallel`` (``titan_simple/parallel/torch_private.py``) still exist.
+"""The private torch APIs we use still exist: the parallelisms' (``titan_simple/parallel/torch_private.py``) and
+the compiler's (``titan_simple/compile/inductor_private.py``).
 
 A torch upgrade that renames or removes one should fail here, with the API's name and what it is for. Without
-this test it would fail in the middle of a compiled or multi-process run. If it fails, fix
-``torch_private.py``, the one module that uses these APIs, rather than skipping the test.
+this test it would fail in the middle of a compiled or multi-process run. If it fails, fix the module that
+names the API (the only one that uses it) rather than skipping the test.
 """
 
 from __future__ import annotations
@@ -20,12 +21,26 @@ import torch
 
 from tests.distributed_utils import single_rank_process_group
 
+PRIVATE_MODULES = ("titan_simple.parallel.torch_private", "titan_simple.compile.inductor_private")
 
-def _private_module() -> types.ModuleType:
+
+def _import(name: str) -> types.ModuleType:
     try:
-        return importlib.import_module("titan_simple.parallel.torch_private")
+        return importlib.import_module(name)
     except (ImportError, AttributeError) as e:  # a module-level import or re-export of a private name failed
-        pytest.fail(f"torch {torch.__version__}: titan_simple.parallel.torch_private does not import: {e}")
+        pytest.fail(f"torch {torch.__version__}: {name} does not import: {e}")
+
+
+def _parallel_private() -> types.ModuleType:
+    return _import(PRIVATE_MODULES[0])
+
+
+def _compile_private() -> types.ModuleType:
+    return _import(PRIVATE_MODULES[1])
+
+
+def _all_private_apis() -> list[tuple[object, str, str]]:
+    return [entry for name in PRIVATE_MODULES for entry in _import(name).PRIVATE_APIS]
 
 
 def _name(owner: object) -> str:
@@ -37,10 +52,9 @@ def _name(owner: object) -> str:
 
 
 def test_every_private_api_exists():
-    private = _private_module()
     missing = [
         f"{_name(owner)}.{attr} (needed by {why})"
-        for owner, attr, why in private.PRIVATE_APIS
+        for owner, attr, why in _all_private_apis()
         if not hasattr(owner, attr)
     ]
     assert not missing, f"torch {torch.__version__} lacks private APIs titan_simple uses:\n  " + "\n  ".join(missing)
@@ -51,17 +65,18 @@ def test_the_list_covers_the_new_entries():
     not only the Inductor ones."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    private = _private_module()
-    listed = {(owner, attr) for owner, attr, _ in private.PRIVATE_APIS}
+    private, compiler = _parallel_private(), _compile_private()
+    listed = {(owner, attr) for owner, attr, _ in _all_private_apis()}
     for owner, attr in ((DeviceMesh, "_flatten"), (DeviceMesh, "_get_root_mesh"),
                         (private.functorch_config, "donated_buffer"), (private.placement_types, "_StridedShard"),
-                        (private.inductor_config, "post_grad_custom_post_pass")):
+                        (compiler.inductor_config, "post_grad_custom_post_pass"),
+                        (compiler.functorch_config, "force_non_lazy_backward_lowering")):
         assert (owner, attr) in listed, f"{_name(owner)}.{attr} is used but not in PRIVATE_APIS"
 
 
 def test_inductor_config_keys_and_signatures():
     """The keyword arguments compile.py passes, and the config it relies on staying at its default."""
-    private = _private_module()
+    private = _compile_private()
     dist_opts = private.inductor_config.aten_distributed_optimizations
     for name in ("enable_overlap_scheduling", "collective_bucketing", "custom_runtime_estimation"):
         assert hasattr(dist_opts, name), f"torch._inductor.config.aten_distributed_optimizations lost {name!r}"
@@ -78,8 +93,8 @@ def test_inductor_config_keys_and_signatures():
 
 def test_the_wrappers_work():
     """The wrappers call the private APIs with arguments those still accept."""
-    private = _private_module()
-    assert private.op_schema(torch.ops.aten.mm.default).name == "aten::mm"
+    private, compiler = _parallel_private(), _compile_private()
+    assert compiler.op_schema(torch.ops.aten.mm.default).name == "aten::mm"
     with private.no_donated_buffers():
         assert torch._functorch.config.donated_buffer is False
     assert isinstance(private.StridedShard(0, split_factor=2), torch.distributed.tensor.Placement)
@@ -106,7 +121,7 @@ def test_compiled_recompute_of_attention_over_dtensor_parameters_matches_eager()
 
 def test_torch_still_needs_the_rng_state_fix():
     """Without the fix torch 2.13 fails the same step. When this test fails, torch has fixed the bug
-    (docs/research/upstream_rng_state_after_opaque.md): drop the wrapper in ``torch_private.py``."""
+    (docs/research/upstream_rng_state_after_opaque.md): drop the wrapper in ``compile/inductor_private.py``."""
     done = _repro("--without-fix")
     assert done.returncode == 1 and "DeviceMesh" in done.stdout, done.stdout + done.stderr
 
@@ -115,7 +130,7 @@ def test_the_rank_local_scheduler_overrides_a_method_torch_calls():
     """schedule_overlap_rank_local swaps in a scheduler whose cross-rank alignment is a no-op: the base class
     must still have that method, run() must still call it, and schedule_overlap_bucketing must still build the
     scheduler by the module-level name we swap."""
-    private = _private_module()
+    private = _compile_private()
     base = private.overlap_scheduling.OverlapScheduler
     name = "_align_compute_nodes_runtime_estimations_across_all_distributed_ranks"
     assert name in inspect.getsource(base.run), f"OverlapScheduler.run no longer calls {name}"
@@ -126,7 +141,7 @@ def test_the_rank_local_scheduler_overrides_a_method_torch_calls():
 
 
 def test_rank_local_options_are_inductor_settings_and_nothing_syncs_by_default():
-    private = _private_module()
+    private = _compile_private()
     current = private.inductor_config.get_config_copy()
     options = private.rank_local_compile_options()
     assert len(options) == 4  # torch 2.13 has all four; one missing in a newer torch is left out silently
@@ -140,7 +155,7 @@ def test_cross_rank_compile_settings_stop_a_compiled_pipeline_run():
     from titan_simple.core.plan import resolve_plan
     from titan_simple.errors import ConfigError
 
-    private = _private_module()
+    private = _compile_private()
     config = load_job_config(["--parallelism.pipeline_parallel_degree=2", "--training.local_batch_size=2",
                               "--compile.enable"])
     with private.dynamo_config.patch(enable_compiler_collectives=True):
@@ -159,7 +174,7 @@ def test_analytical_estimates_need_no_other_rank():
     from tests.distributed_utils import single_rank_process_group
     from titan_simple.compile.cpu_cost_model import cpu_roofline
 
-    private = _private_module()
+    private = _compile_private()
     with single_rank_process_group():
         group = dist.group.WORLD.group_name
 
@@ -182,7 +197,7 @@ def test_process_group_timeouts_can_be_read_and_changed():
 
     from tests.distributed_utils import single_rank_process_group
 
-    private = _private_module()
+    private = _parallel_private()
     with single_rank_process_group():
         private.set_process_group_timeout(None, 42)
         assert private.process_group_timeout_seconds() == 42.0

@@ -285,6 +285,24 @@ class Compile:
         "them instead of compiling, and one log line after step 1 says which. On a cluster, a folder every node "
         "can read. An explicit TORCHINDUCTOR_CACHE_DIR in the environment wins."
     )
+    compile_on_one_rank: bool = option(
+        True, "In a multi-rank job, each graph is compiled once: rank 0 (under pipeline parallel, each stage's "
+        "first rank) compiles it into the compile cache folder and the other ranks load it from there, so that "
+        "folder must be one every rank reads (cache_dir; a rank that cannot see it compiles its own, with a "
+        "warning). false: every rank compiles the same graphs itself. One line after step 1 says who compiled "
+        "and who loaded what."
+    )
+    precompile_world_size: int = option(
+        0, "Compile ahead instead of training: from this one process, write the graphs of a job of this many "
+        "ranks (this config, its degrees) into cache_dir, and stop; the job launched afterwards loads them and "
+        "compiles nothing (its line after step 1 says so). Each compiling rank (rank 0; under pipeline parallel each "
+        "stage's first) is built on a fake process group and runs one step on random tokens: it needs that rank's "
+        "memory and the job's device kind (one GPU of the same kind for a CUDA job). 0 = train."
+    )
+    precompile_device: str = option(
+        "auto", "The device to precompile for: auto (CUDA when this machine has a GPU, else CPU), cpu or cuda.",
+        choices=("auto", "cpu", "cuda"),
+    )
 
 
 @dataclass
@@ -768,6 +786,8 @@ def validate(config: JobConfig) -> None:
              "activation_checkpoint", "selective_ac_option",
              "'op', 'op_all_matmuls' or a positive integer N (every N-th block)")
     _require(config.metrics.log_freq > 0, config, "metrics", "log_freq", "a positive integer")
+    _require(config.compile.precompile_world_size >= 0, config, "compile", "precompile_world_size",
+             "0 (train) or the number of ranks of the job to compile for")
     for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree"):
         _require(getattr(parallelism, key) >= 1, config, "parallelism", key, "an integer >= 1")
     _require(parallelism.data_parallel_shard_degree == -1 or parallelism.data_parallel_shard_degree >= 1, config,

@@ -58,8 +58,8 @@ def worker_main(argv: list[str]) -> None:
     args, overrides = parser.parse_known_args(argv)
     import torch
 
+    from titan_simple.compile.inductor_private import compile_counters
     from titan_simple.config import load_job_config
-    from titan_simple.parallel.torch_private import compile_counters
     from titan_simple.trainer.distributed import shutdown_distributed
     from titan_simple.trainer.trainer import Trainer
 

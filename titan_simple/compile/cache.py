@@ -22,18 +22,21 @@ a start that loaded its graphs restores the plan from there.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
-from collections.abc import Iterable
+import tempfile
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from titan_simple.compile.comm_plan import CommPlanRecorder
-from titan_simple.parallel.torch_private import (
+from titan_simple.compile.inductor_private import (
     compile_counters,
     default_inductor_cache_dir,
     graph_cache_enabled,
     inductor_cache_dir,
 )
+from titan_simple.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +50,23 @@ def use_compile_cache(folder: str) -> str:
     explicit = os.environ.get(CACHE_DIR_VARIABLE)
     # Importing Inductor sets the variable to torch's default when it is unset: that one is not the user's.
     if explicit and os.path.abspath(explicit) != os.path.abspath(default_inductor_cache_dir()):
+        check_cache_folder_writable(explicit, f"{CACHE_DIR_VARIABLE} {explicit!r}")
         return os.path.abspath(explicit)
-    os.makedirs(folder, exist_ok=True)
+    check_cache_folder_writable(folder, f"[compile] cache_dir {folder!r}")
     os.environ[CACHE_DIR_VARIABLE] = os.path.abspath(folder)
     return os.environ[CACHE_DIR_VARIABLE]
+
+
+def check_cache_folder_writable(folder: str, name: str) -> None:
+    """The one-line ConfigError, before anything is built, of a compile cache folder this process cannot make or
+    write (``name`` says where it was set)."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise ConfigError(f"{name} cannot be written ({error.strerror or error}): choose a folder this process can "
+                          "write and every rank of the job can read.") from None
 
 
 def comm_plan_store(fingerprint: str, pass_uuid: str, rank: int) -> Path:
@@ -80,3 +96,32 @@ def describe_compile_cache(recorders: Iterable[CommPlanRecorder]) -> str:
         what += f" ({bypasses} not cacheable)"
     plans = "; comm plan restored from the cache" if restored else ""
     return f"compile cache: {what} ({folder}){plans}"
+
+
+LAST_COMPILE = "titan_simple_last_compile.json"
+
+
+def describe_recompile(folder: str, fingerprint: str, parts: Sequence[tuple[str, str]], write: bool) -> str | None:
+    """Why this start's graphs will not come from ``folder``: the line to log once (None when the folder's last
+    run had the same graphs, or none ran there). torch's cache keys decide what is reused; this names which part
+    of our fingerprint changed since the last run that compiled into the folder (model, layout and recipe, loss,
+    shapes, torch, this package's code). ``write``: record this run as the folder's last (one rank does)."""
+    path = Path(folder) / LAST_COMPILE
+    try:
+        last = json.loads(path.read_text())
+        changed = [name for name, digest in parts if dict(last.get("parts", [])).get(name) != digest]
+        line = (None if last.get("fingerprint") == fingerprint else
+                f"compile: the graphs compile again: {folder} last held another run's "
+                f"({', '.join(changed) or 'settings'} changed)")
+    except FileNotFoundError:
+        line = None
+    except (OSError, ValueError, TypeError, AttributeError):
+        line = f"compile: {path} is unreadable (ignored): the graphs compile unless torch's cache has them"
+    if write and fingerprint:
+        partial = path.with_name(f".{LAST_COMPILE}.{os.getpid()}")
+        try:
+            partial.write_text(json.dumps({"fingerprint": fingerprint, "parts": [list(p) for p in parts]}))
+            partial.replace(path)  # atomic: a reader sees the old record or the new one
+        except OSError:
+            pass
+    return line

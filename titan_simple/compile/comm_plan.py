@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from titan_simple.parallel.torch_private import OpOverload, control_deps, is_compute_node, op_schema, tree_flatten
+from titan_simple.compile.inductor_private import OpOverload, control_deps, is_compute_node, op_schema, tree_flatten
 
 logger = logging.getLogger(__name__)
 
@@ -278,16 +278,33 @@ class CommPlanRecorder:
         self.dump_folder = dump_folder
         self.settings = settings
         self.store = store
-        self.compile_options: dict[str, Any] = {}  # the Inductor options of the compile it records (compile.py)
-        self.graphs: dict[str, list[dict[str, Any]]] = {}
+        # torch.compile's backend arguments of the compile it records (compiler.py): another pipeline stage's
+        # regions compile with the same ones, so Dynamo reuses their code
+        self.compile_kwargs: dict[str, Any] = {}
+        self.leader_store: Path | None = None  # compile once: the comm plan of the rank that compiled the graphs
+        self.recorded: dict[str, list[dict[str, Any]]] = {}  # what our pass recorded in this process
+
+    @property
+    def graphs(self) -> dict[str, list[dict[str, Any]]]:
+        """Each compiled graph's collectives: what this process recorded or, when its graphs came from the
+        compile cache (nothing recorded), the plan kept by the start or the rank that compiled them."""
+        if not self.recorded and (stored := self._stored()) is not None:
+            return stored
+        return self.recorded
+
+    def _stored(self) -> dict[str, list[dict[str, Any]]] | None:
+        for store in (self.store, self.leader_store):
+            if store is not None and store.exists():
+                return json.loads(store.read_text())["graphs"]
+        return None
 
     def add(self, graph: fx.Graph) -> None:
         is_backward = any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
         name = "backward" if is_backward else "forward"
-        if name in self.graphs:  # a recompilation: keep each one
-            name = f"{name}_{sum(k.startswith(name) for k in self.graphs)}"
-        self.graphs[name] = describe_collectives(graph)
-        logger.info("comm plan %s: %s", name, self.summary_line(self.graphs[name]))
+        if name in self.recorded:  # a recompilation: keep each one
+            name = f"{name}_{sum(k.startswith(name) for k in self.recorded)}"
+        self.recorded[name] = describe_collectives(graph)
+        logger.info("comm plan %s: %s", name, self.summary_line(self.recorded[name]))
         self.write()
 
     @staticmethod
@@ -305,11 +322,13 @@ class CommPlanRecorder:
 
     def restore(self) -> bool:
         """After the first step: if no graph was recorded (they came from the compile cache), read the plan
-        kept by the start that compiled them, write it to the dump folder; whether it did."""
-        if self.graphs or self.store is None or not self.store.exists():
+        kept by the start that compiled them (this rank's, else the compile-once leader's), write it to the dump
+        folder; whether it did."""
+        stored = None if self.recorded else self._stored()
+        if stored is None:
             return False
-        self.graphs = json.loads(self.store.read_text())["graphs"]
-        for name, colls in self.graphs.items():
+        self.recorded = stored
+        for name, colls in self.recorded.items():
             logger.info("comm plan %s (from the compile cache): %s", name, self.summary_line(colls))
         self.write()
         return True
@@ -318,7 +337,7 @@ class CommPlanRecorder:
         if self.store is not None:
             self.store.parent.mkdir(parents=True, exist_ok=True)
             partial = self.store.with_suffix(f".partial-{os.getpid()}")
-            partial.write_text(json.dumps({"settings": self.settings, "graphs": self.graphs}))
+            partial.write_text(json.dumps({"settings": self.settings, "graphs": self.recorded}))
             partial.replace(self.store)  # atomic: a reader never sees half a plan
         if self.dump_folder is None:
             return

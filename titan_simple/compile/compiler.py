@@ -38,19 +38,19 @@ docs/benchmarks.md, "Compile time against depth").
 
 The other modules: ``comm_plan.py`` reads the graphs, ``cpu_cost_model.py`` gives the scheduler runtime
 estimates on CPU (it swaps two functions of ``torch.utils._runtime_estimation`` while our pass runs, then
-restores them), and ``torch_private.py`` holds every private torch API used here.
+restores them), ``inductor_private.py`` holds every private torch API used here, ``compile_plan.py`` holds
+``CompilePlan`` (what ``[compile]`` means for a run; no Inductor import) and ``once.py`` compiles each graph on
+one rank for the others to load.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import logging
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,26 +66,25 @@ from titan_simple.compile.comm_plan import (
     sink_last_reduce_scatter_waits,
 )
 from titan_simple.compile.cpu_cost_model import CpuRuntimeEstimator, cpu_roofline
-from titan_simple.compile.regions import EMBEDDING, HEAD_BUCKET, RegionalForward, region_bucket_plan
-from titan_simple.parallel.simple_fsdp import data_parallel_group_names
-from titan_simple.parallel.torch_private import (
+from titan_simple.compile.inductor_private import (
     CustomGraphPass,
     add_control_deps,
     analytical_runtime_ms,
-    async_tensor_parallel_options,
     manual_bucketing_only,
     manual_overlap_bucketing,
     prepare_compile,
     rank_local_compile_options,
     schedule_overlap_rank_local,
 )
+from titan_simple.compile.once import CompileOnce
+from titan_simple.parallel.simple_fsdp import data_parallel_group_names
 
 logger = logging.getLogger(__name__)
 
 BUCKETING_MODES = ("none", "transformer_block", "auto")
 # The modules whose code decides what the post-grad pass does to a graph (part of its cache key).
 _PASS_SOURCES = (*(Path(__file__).with_name(name) for name in ("compiler.py", "comm_plan.py", "cpu_cost_model.py")),
-                 Path(__file__).parent.parent / "parallel" / "torch_private.py")
+                 Path(__file__).with_name("inductor_private.py"))
 
 
 def transformer_block_plan(model: nn.Module) -> list[str | list[str]]:
@@ -173,7 +172,7 @@ class _OverlapPass(CustomGraphPass):
             # Estimates every rank computes alike (``runtime_estimator``), analytical compute estimates, and no
             # cross-rank alignment: Inductor's default benchmarks compute nodes and gathers the results over the
             # world group in every compile, which deadlocks pipeline stages (they compile one after another) and
-            # ranks where one loaded the graph from the compile cache (torch_private: schedule_overlap_rank_local).
+            # ranks where one loaded the graph from the compile cache (inductor_private: schedule_overlap_rank_local).
             schedule_overlap_rank_local(
                 gm,
                 collective_bucketing=auto,
@@ -219,128 +218,6 @@ def gpu_scheduling_options(cpu: bool, bucketing: str) -> dict[str, bool]:
     return {"reorder_for_peak_memory": False, **({"allow_buffer_reuse": False} if bucketing != "none" else {})}
 
 
-@dataclass(frozen=True)
-class CompilePlan:
-    """What ``[compile]`` means for this run (decided by ``core/plan.py``).
-
-    ``mode``: ``off``; ``whole`` (the model, or each pipeline stage, is one graph, collectives included);
-    ``whole_with_loss`` (the build compiles the model and its loss as one graph, ``core/loss.ModelWithLoss``);
-    ``per_block`` (each transformer block on its own: FSDP2, TP inside multi-stage pipelines, zero-bubble
-    schedules; no whole-step graph to bucket or reorder); ``regional`` (``[compile] regional``: the transformer
-    blocks share one compiled code, which buckets and reorders their collectives; the last region runs the norm
-    and output too; the embedding compiles as a small region of its own, or runs eagerly under tensor parallel)."""
-
-    mode: str = "off"
-    backend: str = "inductor"
-    bucketing: str = "transformer_block"
-    manual_plan: tuple[str | tuple[str, ...], ...] = ()
-    reorder: bool = True
-    dump_folder: str | None = None
-    # Where torch's compile caches live for this run ([compile] cache_dir; compile_cache.use_compile_cache).
-    cache_dir: str = ""
-    # Names this run's graphs for the comm plan's copy in the compile cache (core/plan.py; "" = keep none).
-    fingerprint: str = ""
-    async_tensor_parallel: bool = False  # Inductor's micro-pipelined TP (CUDA only; core/plan.py checks)
-    region_blocks: int = 1  # regional: consecutive transformer blocks compiled as one region
-    # regional: each region gathers the next region's first weights (regions.py; SimpleFSDP gathering per
-    # microbatch, no pipeline parallel: core/plan.py)
-    region_handoff: bool = False
-    # Inductor rounds through each low-precision cast as eager does, so a recomputed value equals the forward's
-    # (rowwise float8: core/plan.py)
-    emulate_precision_casts: bool = False
-
-    def inductor_options(self) -> dict[str, Any]:
-        """The Inductor settings of this compile that do not depend on the graph (``compile_model`` adds its
-        post-grad pass): the ones that keep a compile from talking to other ranks (``rank_local_compile_options``:
-        pipeline stages compile one after another), async tensor parallel's pass, and precision-cast emulation."""
-        if self.backend != "inductor":
-            return {}
-        return {**rank_local_compile_options(),
-                **(async_tensor_parallel_options() if self.async_tensor_parallel else {}),
-                **({"emulate_precision_casts": True} if self.emulate_precision_casts else {})}
-
-    @property
-    def enabled(self) -> bool:
-        return self.mode != "off"
-
-    @property
-    def whole_graph(self) -> bool:
-        """One graph for the model or stage (with or without the loss): Inductor sees the collectives."""
-        return self.mode in ("whole", "whole_with_loss")
-
-    def compile_whole(self, module: nn.Module, plan_root: str = "") -> CommPlanRecorder | None:
-        """Compile ``module`` in place as one graph with this plan's bucketing and reordering; ``plan_root``
-        names the submodule holding the transformer blocks when ``module`` wraps the model."""
-        return compile_model(module, backend=self.backend, bucketing=self.bucketing,
-                             manual_plan=self.manual_plan or None, reorder=self.reorder,
-                             dump_folder=self.dump_folder, plan_root=plan_root,
-                             extra_options=self.inductor_options(), fingerprint=self.fingerprint)
-
-    def compile_regional(self, model: nn.Module) -> CommPlanRecorder | None:
-        """Regional compilation: group ``model``'s transformer blocks into regions of ``region_blocks``
-        consecutive blocks (``regions.BlockRegion``, the last one followed by the final norm and output
-        projection), after the embedding's own region; ``Transformer.forward`` runs them through
-        ``regions.RegionalForward``. Every region compiles with one shared pass, so Dynamo reuses a region's
-        graphs for every other region of its shape (their guards pass: same classes, shapes and settings) and
-        compile time hardly grows with depth: three codes, the embedding's, the blocks' and the last region's.
-        The pass buckets each region's collectives (``region_bucket_plan``) and, with reorder, issues each
-        bucket's all-gather while the bucket before it computes (in backward, each reduce-scatter runs while the
-        bucket after it computes). With ``region_handoff`` each region also gathers the next region's first
-        weights, so that their collectives overlap too (``regions.py``)."""
-        size = self.region_blocks
-        forward = RegionalForward(model, size, handoff=self.region_handoff)
-        if not forward.regions:
-            # A pipeline stage without blocks: its embedding, norm and output compile alone, or run eagerly under
-            # tensor parallel (their layouts are forward hooks; compiled alone, the row-wise sharded embedding
-            # fails DTensor's sharding propagation in torch 2.13).
-            for name in (EMBEDDING, *HEAD_BUCKET):
-                module = getattr(model, name, None)
-                if module is not None and not (module._forward_pre_hooks or module._forward_hooks):
-                    self._compile_forward(module)
-            return None
-        model.block_regions = forward
-        regions = forward.compiled
-        first = _REGIONAL_COMPILES.get(self)
-        if first is not None:  # another pipeline stage of this rank: the same options, so the same code
-            for region in regions:
-                region.compile(backend=self.backend, fullgraph=True, options=first.compile_options)
-            model.comm_plan_recorder = first
-            return first
-        plan = region_bucket_plan(size) if self.bucketing == "transformer_block" else None
-        recorder = compile_model(model, backend=self.backend, bucketing=self.bucketing, manual_plan=plan,
-                                 reorder=self.reorder, dump_folder=self.dump_folder,
-                                 extra_options=self.inductor_options(), fingerprint=self.fingerprint,
-                                 modules=regions)
-        if recorder is not None:
-            _REGIONAL_COMPILES[self] = recorder
-        return recorder
-
-    def _compile_forward(self, module: nn.Module) -> None:
-        """Compile ``module.forward`` in place, through a function of ours: Dynamo skips the frames of torch's
-        own modules (``nn.Embedding``, ``nn.Linear``, ...) when their ``_call_impl`` is compiled directly
-        ("found no compiled frames"), but inlines them from ours. Forward hooks would stay outside."""
-        options = self.inductor_options()
-        prepare_compile()
-        compiled = torch.compile(_forward_of, backend=self.backend, fullgraph=True,
-                                 **({"options": options} if options else {}))
-        module.forward = functools.partial(compiled, module)
-
-    def compile_block(self, block: nn.Module) -> None:
-        """Compile one transformer block in place (``per_block`` mode): no collective passes, only the
-        graph-independent options."""
-        options = self.inductor_options()
-        prepare_compile()
-        block.compile(backend=self.backend, fullgraph=True, **({"options": options} if options else {}))
-
-
-_REGIONAL_COMPILES: dict[CompilePlan, CommPlanRecorder] = {}  # the first regional compile of each plan
-
-
-def _forward_of(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``module``'s own forward (its class's), the frame ``CompilePlan._compile_forward`` compiles."""
-    return type(module).forward(module, *args, **kwargs)
-
-
 def _bucket_plan(model: nn.Module, bucketing: str, manual_plan: Sequence[str | Sequence[str]] | None,
                  plan_root: str, *, regional: bool) -> list[str | list[str]] | None:
     """The buckets the pass groups collectives into: the manual plan, or one per transformer block (plus the
@@ -370,6 +247,7 @@ def compile_model(
     extra_options: dict[str, Any] | None = None,
     fingerprint: str = "",
     modules: Sequence[nn.Module] | None = None,
+    session: CompileOnce | None = None,
 ) -> CommPlanRecorder | None:
     """Compile ``model`` in place with the given collective bucketing / reordering; return the comm-plan
     recorder (also left on ``model`` as ``comm_plan_recorder``; ``None`` for backends that run no Inductor pass).
@@ -380,7 +258,8 @@ def compile_model(
     (``CompilePlan.inductor_options``). ``fingerprint`` names the graphs for the comm plan's copy in the compile
     cache (``compile/cache.py``). ``modules``: compile these (the regions of ``regions.py``) instead of ``model``;
     ``manual_plan`` then names modules inside a region, and each graph's last gradient reduction waits at its
-    end. Every rank calls it (the CPU estimator calibrates with collectives)."""
+    end. ``session``: compile through this compile-once session (one rank compiles, the others load; ``once.py``).
+    Every rank calls it (the CPU estimator calibrates with collectives)."""
     if bucketing not in BUCKETING_MODES:
         raise ValueError(f"compile_model: bucketing must be one of {BUCKETING_MODES}, got {bucketing!r}.")
     prepare_compile()
@@ -404,17 +283,26 @@ def compile_model(
     sink_groups = frozenset(data_parallel_group_names(model)) if modules is not None and reorder else frozenset()
     overlap_pass = _OverlapPass(bucketing, plan, reorder, cpu, estimator, recorder, sink_groups)
     if fingerprint:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        recorder.store = comm_plan_store(fingerprint, overlap_pass.uuid(), rank)
+        _keep_comm_plan(recorder, fingerprint, overlap_pass.uuid(), session)
     # One options dict (one pass object) for every module: Dynamo then reuses one module's compiled code for
     # another of the same class whose guards pass (regional compilation), instead of compiling it again.
     options = {**rank_local_compile_options(), **gpu_scheduling_options(cpu, bucketing), **(extra_options or {}),
                "post_grad_custom_post_pass": overlap_pass}
+    kwargs = {"backend": session.backend(options)} if session is not None else {"backend": backend, "options": options}
     for module in modules:
-        module.compile(backend=backend, fullgraph=fullgraph, options=options)
-    recorder.compile_options = options
+        module.compile(fullgraph=fullgraph, **kwargs)
+    recorder.compile_kwargs = kwargs
     model.comm_plan_recorder = recorder
     return recorder
+
+
+def _keep_comm_plan(recorder: CommPlanRecorder, fingerprint: str, pass_uuid: str, session: CompileOnce | None) -> None:
+    """Where the recorder keeps its plan for a start that loads the graphs (``cache.comm_plan_store``), and under
+    compile once where the leader keeps its own (a follower loads the leader's graphs, so it records nothing)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    recorder.store = comm_plan_store(fingerprint, pass_uuid, rank)
+    if session is not None and session.leader != rank:
+        recorder.leader_store = comm_plan_store(fingerprint, pass_uuid, session.leader)
 
 
 def comm_plan_recorders(modules: Sequence[nn.Module | None]) -> list[CommPlanRecorder]:

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch import fx
 
 from titan_simple.compile.comm_plan import COLLECTIVE_KINDS, collective_bytes, meta_value
+from titan_simple.compile.inductor_private import is_compute_node, runtime_estimation, tree_map
 from titan_simple.parallel import timing
-from titan_simple.parallel.torch_private import is_compute_node, runtime_estimation, tree_map
 
 
 class CpuRuntimeEstimator:

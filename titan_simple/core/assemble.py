@@ -7,21 +7,25 @@ The trainer, the dry run's tracer, the search workers, the parity tests' referen
 ``scripts/benchmarks/measure_memory.py`` all call it, so what they check or measure is what trains. It also installs the
 step's features (``core/step.StepFeature``): float8's per-step weight refresh when the plan gathers float8
 weights, and what the caller adds (fault tolerance's cross-group average), so the step's body names no feature.
+A compiled multi-rank run starts its compile-once session here, before anything compiles (``compile/once.py``).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_simple.config import JobConfig
 from titan_simple.core.build import ModelParts, build_model_parts
 from titan_simple.core.optim import lr_scheduler_from_config, optimizer_from_config
 from titan_simple.core.plan import RunPlan
-from titan_simple.core.step import StepFeature, TrainStep, build_train_step
+from titan_simple.core.step import TrainStep, build_train_step
+from titan_simple.core.step_feature import StepFeature
 from titan_simple.parallel.dims import ParallelDims, dp_rank_and_size
 from titan_simple.parallel.float8_gather import refresh_float8_weights
 
@@ -60,6 +64,18 @@ class Float8WeightRefresh(StepFeature):
         refresh_float8_weights(self.modules)
 
 
+def _start_compile_once(mesh: DeviceMesh | None, device: torch.device) -> None:
+    """One rank of each class compiles each graph, the others load it (``compile/once.py``; imported here, by
+    compiled runs only: it imports Inductor). Every rank calls it, before the run's first compile; each run gets
+    its own session (another run in the process may have another mesh, so other classes)."""
+    from titan_simple.compile.inductor_private import inductor_cache_dir
+    from titan_simple.compile.once import active_session, start_compile_once
+
+    session = active_session()
+    if session is None or not session.pinned:  # the precompile pins its own
+        start_compile_once(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or inductor_cache_dir(), mesh, device)
+
+
 def build_run(plan: RunPlan, device: torch.device, *, mesh: DeviceMesh | None = None, materialize: bool = True,
               lr_schedule: bool = True, keep_grad_buffers: bool = False,
               features: Sequence[StepFeature] = ()) -> Run:
@@ -69,6 +85,8 @@ def build_run(plan: RunPlan, device: torch.device, *, mesh: DeviceMesh | None = 
     ``keep_grad_buffers``: zero the gradients in place instead of freeing them (the memory measurements)."""
     if mesh is None:
         mesh = plan.dims.build_mesh(device.type)
+    if plan.compile.enabled and plan.compile.once and materialize and dist.is_initialized():
+        _start_compile_once(mesh, device)
     parts = build_model_parts(plan, mesh, device, materialize=materialize)
     optimizer = optimizer_from_config(plan.config, parts.as_module())
     lr_scheduler = lr_scheduler_from_config(plan.config, optimizer) if lr_schedule else None

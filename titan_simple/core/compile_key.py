@@ -26,18 +26,27 @@ def compile_cache_folder(config: JobConfig) -> str:
 
 
 def compile_fingerprint(config: JobConfig, model_args: ModelArgs, parallel: ParallelPlan, loss: LossPlan,
-                        pipeline: PipelinePlan | None, accumulation: int, float8: Float8Plan | None = None) -> str:
-    """What this rank's compiled graphs are made of, hashed: the model, the layout and what the recipe applies
-    (dtypes, checkpointing, compile settings), the loss, the shapes of a microbatch, the torch version and this
-    package's source. It names the comm plan's copy in the compile cache (torch's own cache keys decide
-    whether a graph is reused; this only has to tell one run's graphs from another's)."""
+                        pipeline: PipelinePlan | None, accumulation: int, float8: Float8Plan | None = None
+                        ) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """What this rank's compiled graphs are made of, hashed, and each named part's own short hash: the model,
+    the layout and what the recipe applies (dtypes, checkpointing, compile settings), the loss, the shapes of a
+    microbatch, the torch version and this package's source. It names the comm plan's copy in the compile cache
+    (torch's own cache keys decide whether a graph is reused; this only has to tell one run's graphs from
+    another's), and the parts say why a start compiles again (``compile/cache.describe_recompile``)."""
     training = config.training
-    parts = [repr(model_args), repr(dataclasses.replace(parallel, compile=dataclasses.replace(
-                 parallel.compile, dump_folder=None, cache_dir="", fingerprint=""))),
-             repr(loss), repr(pipeline), repr(float8), str(accumulation), str(training.seq_len),
-             str(training.local_batch_size),
-             str(config.parallelism.pipeline_parallel_microbatch_size), torch.__version__, _package_source_hash()]
-    return hashlib.sha256("\n".join(parts).encode()).hexdigest()
+    recipe = dataclasses.replace(parallel, compile=dataclasses.replace(
+        parallel.compile, dump_folder=None, cache_dir="", fingerprint="", fingerprint_parts=()))
+    parts = {
+        "model": repr(model_args) + repr(float8),
+        "layout and recipe": repr(recipe) + repr(pipeline),
+        "loss": repr(loss),
+        "shapes": f"{accumulation} {training.seq_len} {training.local_batch_size} "
+                  f"{config.parallelism.pipeline_parallel_microbatch_size}",
+        "torch": torch.__version__,
+        "titan_simple code": _package_source_hash(),
+    }
+    whole = hashlib.sha256("\n".join(parts.values()).encode()).hexdigest()
+    return whole, tuple((name, hashlib.sha256(text.encode()).hexdigest()[:12]) for name, text in parts.items())
 
 
 @functools.cache

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from titan_simple.compile.compiler import CompilePlan
+from titan_simple.compile.compile_plan import CompilePlan
 from titan_simple.config import JobConfig
 from titan_simple.core.batching import accumulation_steps
 from titan_simple.core.compile_key import compile_cache_folder, compile_fingerprint
@@ -40,7 +40,6 @@ from titan_simple.parallel.dims import ParallelDims, validate_parallelism
 from titan_simple.parallel.parallelize import ParallelPlan
 from titan_simple.parallel.pipeline import ZERO_BUBBLE_SCHEDULES, PipelinePlan, plan_pipeline
 from titan_simple.parallel.tensor_parallel import local_linear_shape
-from titan_simple.parallel.torch_private import cross_rank_compile_settings
 
 logger = logging.getLogger(__name__)
 
@@ -218,8 +217,9 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     loss = LossPlan(parallel=loss_parallel, compiled_with_model=compile_mode == "whole_with_loss",
                     chunks=choose_loss_chunks(config, compile_mode, reasons))
     if compile_plan.enabled:
-        fingerprint = compile_fingerprint(config, model_args, parallel, loss, pipeline, accumulation, float8)
-        parallel = dataclasses.replace(parallel, compile=dataclasses.replace(compile_plan, fingerprint=fingerprint))
+        fingerprint, parts = compile_fingerprint(config, model_args, parallel, loss, pipeline, accumulation, float8)
+        parallel = dataclasses.replace(parallel, compile=dataclasses.replace(compile_plan, fingerprint=fingerprint,
+                                                                             fingerprint_parts=parts))
     data = dataclasses.replace(data, global_rows=config.training.local_batch_size * data.ranks * accumulation)
     return RunPlan(
         config=config, dims=dims, device_type=device_type, model_args=model_args, pipeline=pipeline,
@@ -260,6 +260,7 @@ def _compile_plan(config: JobConfig, dims: ParallelDims, compile_mode: str, gath
         # rowwise too; pytorch#150859: rowwise + compile + selective AC stalled, then NaN, on 8B).
         emulate_precision_casts=(float8 is not None and float8.recipe.startswith("rowwise")
                                  and config.float8.stable_recompute),
+        once=compile_config.compile_on_one_rank and dims.world_size > 1 and compile_config.backend == "inductor",
     )
 
 
@@ -377,7 +378,7 @@ def uses_loss_parallel(config: JobConfig, dims: ParallelDims) -> bool:
 
 
 def choose_compile_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str, str] | None = None) -> str:
-    """``off``, ``per_block``, ``regional``, ``whole`` or ``whole_with_loss`` (``parallel/compile.CompilePlan``).
+    """``off``, ``per_block``, ``regional``, ``whole`` or ``whole_with_loss`` (``compile/compile_plan.CompilePlan``).
 
     Each transformer block compiles on its own with FSDP2, whose hooks break a whole-model graph (fullgraph
     fails in torch 2.13); and under the zero-bubble pipeline schedules, whose split backward gives wrong weight
@@ -418,7 +419,10 @@ def choose_compile_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str
 def check_compiles_stay_in_their_stage(dims: ParallelDims) -> None:
     """Pipeline stages compile one after another while the other stages wait in a receive, so a compile must not
     run collectives over all ranks. The settings that make it do so (an environment variable or torch config a user
-    set; ``parallel/torch_private.cross_rank_compile_settings``) stop the run here instead of deadlocking it."""
+    set; ``compile/inductor_private.cross_rank_compile_settings``) stop the run here instead of deadlocking it.
+    Called for compiled runs only: it imports the compiler."""
+    from titan_simple.compile.inductor_private import cross_rank_compile_settings
+
     if dims.pp > 1 and (settings := cross_rank_compile_settings()):
         raise ConfigError(
             f"[compile] enable under pipeline parallel: {', '.join(settings)} makes every compile run collectives "

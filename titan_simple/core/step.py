@@ -32,6 +32,7 @@ import torch
 
 from titan_simple.core.build import ModelParts
 from titan_simple.core.plan import RunPlan
+from titan_simple.core.step_feature import StepFeature
 from titan_simple.parallel.clip_grad import clip_grad_norm_
 from titan_simple.parallel.fsdp2 import gradient_averaging_factor
 from titan_simple.parallel.tensor_parallel import loss_parallel_context
@@ -51,24 +52,6 @@ class StepHooks:
 
     def end(self, result: StepResult) -> None:
         pass
-
-
-class StepFeature:
-    """What a feature adds to every step; the defaults change nothing. Called in this order: ``before_forward``
-    (after the gradients are zeroed), ``after_backward`` (every gradient reduced within this group, before
-    clipping: it may change the gradients and returns the loss sum to report), ``should_commit`` (False: no
-    optimizer step, retry the batch)."""
-
-    keeps_gradient_buffers = False  # True: the step zeroes gradients in place (the feature holds their buffers)
-
-    def before_forward(self) -> None:
-        pass
-
-    def after_backward(self, params: list[torch.nn.Parameter], loss_sum: torch.Tensor) -> torch.Tensor:
-        return loss_sum
-
-    def should_commit(self) -> bool:
-        return True
 
 
 @dataclass

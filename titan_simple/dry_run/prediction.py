@@ -186,7 +186,7 @@ def suggestion(largest: str, run: RunPlan) -> str:
 
 def fused_matmul_seconds(c: Collective, ops: list[OpCost], seconds_of) -> float | None:
     """The seconds of the matmuls Inductor's async-TP pass would fuse with collective ``c``, found in the eager
-    trace as the pass finds them in a compiled graph (``torch_private.async_tensor_parallel_matches``): an
+    trace as the pass finds them in a compiled graph (``inductor_private.async_tensor_parallel_matches``): an
     all-gather whose output feeds matmuls (the first op after it that is not data movement, within
     ``FUSE_WINDOW`` ops, is a matmul; the consecutive matmuls reading it, e.g. wq, wk, wv, all count), or a
     reduce-scatter whose input is a matmul's output (a matmul within ``FUSE_WINDOW`` ops before it, only data

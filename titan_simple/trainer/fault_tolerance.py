@@ -45,7 +45,7 @@ from urllib.parse import urlsplit
 
 import torch
 
-from titan_simple.core.step import StepFeature
+from titan_simple.core.step_feature import StepFeature
 from titan_simple.errors import ConfigError, LighthouseLost
 from titan_simple.trainer.metrics import LIVE_GROUPS
 from titan_simple.trainer.replica_state import GradientBuckets, Progress, ReplicaState, recovery_timeout, state_bytes

@@ -9,8 +9,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from titan_simple.compile.cache import describe_compile_cache, use_compile_cache
-from titan_simple.compile.compiler import comm_plan_recorders
 from titan_simple.config import JobConfig, resolve_project_path
 from titan_simple.core.assemble import build_run
 from titan_simple.core.device_peaks import peak_flops_per_second
@@ -60,6 +58,16 @@ class Trainer:
         self._build_services()
         self._restore()
 
+    def _describe_compiles(self) -> None:
+        """After the first step, every rank (compile once gathers from all): what was compiled, loaded, reused."""
+        from titan_simple.compile.cache import describe_compile_cache
+        from titan_simple.compile.compiler import comm_plan_recorders
+        from titan_simple.compile.once import active_session, describe_compile_once
+
+        logger.info(describe_compile_cache(comm_plan_recorders(self.step_fn.compiled_modules())))
+        if self.plan.compile.once:  # a multi-rank compile: every rank joins the summary, with a session or none
+            logger.info(describe_compile_once(active_session()))
+
     def _plan_before_communication(self) -> None:
         """Every decision and every check that needs no communication, before the process group exists."""
         config = self.config
@@ -75,7 +83,14 @@ class Trainer:
         for line in [*self.plan.describe(), *prepare_process_environment(config, self.device.type)]:
             logger.info(line)
         if self.plan.compile.enabled:  # before anything compiles: torch reads the folder once
-            use_compile_cache(self.plan.compile.cache_dir)
+            from titan_simple.compile.cache import describe_recompile, use_compile_cache  # compiled runs only
+
+            compile_plan = self.plan.compile
+            folder = use_compile_cache(compile_plan.cache_dir)
+            why = describe_recompile(folder, compile_plan.fingerprint, compile_plan.fingerprint_parts,
+                                     write=self.dist.rank == 0)
+            if why:
+                logger.info(why)
         self.tokenizer = Tokenizer(resolve_project_path(config.model.tokenizer_path))  # fails fast on a bad path
         check_vocabulary(config, self.plan.model_args, self.tokenizer.vocab_size)
         if config.training.deterministic:
@@ -274,7 +289,7 @@ class Trainer:
                     data_iter = iter(self.dataloader)
                     continue
                 if self.step == resumed_at + 1 and self.plan.compile.enabled:  # every graph is compiled by now
-                    logger.info(describe_compile_cache(comm_plan_recorders(self.step_fn.compiled_modules())))
+                    self._describe_compiles()
                 self._record(result, timer)
                 stop_signal = self._after_step(timer)
                 if stop_signal is not None:

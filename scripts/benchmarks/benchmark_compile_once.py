@@ -1,0 +1,151 @@
+"""Compile once against every rank compiling, and a precompiled start: 4-rank compiled jobs of the debug model.
+
+    .venv/bin/python scripts/benchmarks/benchmark_compile_once.py            # fully_shard and dp2 x pp2, ~20 min
+    .venv/bin/python scripts/benchmarks/benchmark_compile_once.py --doc      # and write the table into docs/
+
+Each job runs 2 steps, in its own cold compile cache folder (``[compile] cache_dir``; no
+``TORCHINDUCTOR_CACHE_DIR``), three ways one after another: every rank compiles (``compile_on_one_rank = false``,
+what every job did before), one rank compiles and the others load (the default), and precompiled (``train.py
+--compile.precompile_world_size 4`` from one process first, its time reported apart). Measured per rank by a
+wrapper around the trainer: the CPU seconds from the start of the training loop to the end of step 1, minus those
+of step 2 (what compiling added to the first step: Dynamo, AOT autograd, Inductor and the C++ compiler, which
+runs in-process with ``TORCHINDUCTOR_COMPILE_THREADS=1`` so that its CPU is counted), summed over the 4 ranks;
+and the wall time from launch to the end of step 1 on rank 0. Losses and gradient norms of every mode must be
+bitwise equal. Run it on a quiet machine: another job on the cores changes every time here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "docs" / "benchmarks.md"
+BASE = ["--config", "llama3_debug.toml", "--training.steps", "2", "--metrics.log_freq", "1",
+        "--training.mixed_precision_param", "float32", "--compile.enable", "--lr_scheduler.warmup_steps", "1"]
+LAYOUTS = {
+    "fully_shard": [],
+    "dp2 x pp2": ["--parallelism.pipeline_parallel_degree", "2", "--parallelism.pipeline_parallel_schedule", "1F1B"],
+}
+MODES = {"every rank compiles": ["--compile.compile_on_one_rank", "false"], "one rank compiles": [],
+         "precompiled": []}
+
+
+def worker_main() -> None:
+    """Under torchrun: the trainer, with each step's end timed (CPU seconds of this process and its waited-for
+    children, and the wall clock), written to $BENCH_OUT/rank<r>.json."""
+    from titan_simple.config import load_job_config
+    from titan_simple.trainer.distributed import shutdown_distributed
+    from titan_simple.trainer.trainer import Trainer
+
+    def cpu() -> float:
+        own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+    marks: dict[str, tuple[float, float]] = {}
+    record, train = Trainer._record, Trainer.train
+
+    def timed_record(self, result, timer):
+        marks[f"step{self.step}"] = (cpu(), time.time())
+        return record(self, result, timer)
+
+    def timed_train(self):
+        marks["train"] = (cpu(), time.time())
+        return train(self)
+
+    Trainer._record, Trainer.train = timed_record, timed_train
+    trainer = Trainer(load_job_config(sys.argv[1:]))
+    trainer.train()
+    shutdown_distributed()
+    rank = int(os.environ["RANK"])
+    Path(os.environ["BENCH_OUT"], f"rank{rank}.json").write_text(json.dumps(marks))
+
+
+def run_job(layout: str, mode: str, root: Path) -> dict:
+    folder = root / f"{layout.replace(' ', '')}-{mode.split()[0]}"
+    cache = folder / "compile_cache"
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_COMPILE_THREADS="1", BENCH_OUT=str(folder), PYTHONPATH=str(REPO))
+    args = [*BASE, *LAYOUTS[layout], *MODES[mode], "--job.dump_folder", str(folder / "dump"),
+            "--compile.cache_dir", str(cache)]
+    folder.mkdir(parents=True)
+    precompile_seconds = None
+    if mode == "precompiled":
+        start = time.time()
+        subprocess.run([sys.executable, str(REPO / "train.py"), *args, "--compile.precompile_world_size", "4"],
+                       check=True, env=env, cwd=REPO, capture_output=True)
+        precompile_seconds = time.time() - start
+    launch = time.time()
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone",
+                           __file__, "--worker", *args], env=env, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{layout} / {mode} failed:\n{done.stderr[-4000:]}")
+    marks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(4)]
+    compile_cpu = [(m["step1"][0] - m["train"][0]) - (m["step2"][0] - m["step1"][0]) for m in marks]
+    metrics = [json.loads(line) for line in (folder / "dump" / "metrics.jsonl").read_text().splitlines()]
+    summary = [line.split("compile once ", 1)[1] for line in done.stderr.splitlines() if "compile once (" in line]
+    return {"layout": layout, "mode": mode, "compile_cpu": compile_cpu, "step1_wall": marks[0]["step1"][1] - launch,
+            "losses": [(r["loss_metrics/global_avg_loss"], r["grad_norm"]) for r in metrics],
+            "precompile_seconds": precompile_seconds, "summary": summary[0] if summary else ""}
+
+
+def table(results: list[dict]) -> list[str]:
+    lines = ["| layout | mode | compile CPU-s, 4 ranks (per rank) | x one rank's | launch to end of step 1 | "
+             "vs every rank | losses |", "|---|---|---|---|---|---|---|"]
+    for layout in LAYOUTS:
+        rows = [r for r in results if r["layout"] == layout]
+        every = rows[0]
+        one_rank = max(every["compile_cpu"])
+        for r in rows:
+            pre = f" (+{r['precompile_seconds']:.0f} s precompiling)" if r["precompile_seconds"] else ""
+            same = "bitwise equal" if r["losses"] == every["losses"] else "DIFFER"
+            lines.append(f"| {layout} | {r['mode']} | {sum(r['compile_cpu']):.1f} "
+                         f"({', '.join(f'{c:.1f}' for c in r['compile_cpu'])}) | "
+                         f"{sum(r['compile_cpu']) / one_rank:.2f} | {r['step1_wall']:.1f} s{pre} | "
+                         f"{r['step1_wall'] / every['step1_wall'] - 1:+.0%} | {same} |")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--doc", action="store_true", help="write the table into docs/benchmarks.md")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    args = parser.parse_args()
+    load = os.getloadavg()[0]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="compile_once_") as root:
+        for layout in args.layouts.split(","):
+            for mode in MODES:
+                results.append(run_job(layout, mode, Path(root)))
+                print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
+    lines = [f"Load average at the start: {load:.2f}.", "", *table(results), ""]
+    lines += [f"- {r['layout']}, {r['mode']}: `compile once {r['summary']}`" for r in results if r["summary"]]
+    print("\n".join(lines))
+    if args.doc:
+        write_doc(lines)
+
+
+def write_doc(lines: list[str]) -> None:
+    text = DOC.read_text()
+    begin, end = "<!-- compile-once table -->", "<!-- /compile-once table -->"
+    block = "\n".join([begin, *lines, end])
+    if begin in text:
+        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
+    else:
+        text += "\n" + block + "\n"
+    DOC.write_text(text)
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv:
+        sys.argv.remove("--worker")
+        worker_main()
+    else:
+        main()

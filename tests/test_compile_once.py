@@ -1,0 +1,183 @@
+"""Compile once per job (compile/once.py, dry_run/precompile.py): one rank compiles each graph and the others load
+it, bitwise the same as every rank compiling; a job precompiled from one process compiles nothing; a stale
+cache says why it compiles again; a corrupt cache entry is compiled again, never a crash; bad input is one line;
+an eager process never imports Inductor's compiler."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titan_simple.compile.cache import LAST_COMPILE, describe_recompile
+
+REPO = Path(__file__).resolve().parent.parent
+RUN = ["--config", "llama3_debug.toml", "--model.n_layers", "2", "--training.seq_len", "64",
+       "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--training.mixed_precision_param", "float32",
+       "--compile.enable", "--lr_scheduler.warmup_steps", "1", "--training.steps", "3"]
+SUMMARY = re.compile(r"compile once \((?P<folder>[^)]*)\): (?P<text>.*)$", re.MULTILINE)
+
+
+def _env() -> dict[str, str]:
+    # Each job's own cache folder ([compile] cache_dir), not the suite's shared one, with torch's caches allowed
+    # (an environment that forces them off turns compile once off).
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="1")
+    return env
+
+
+def _torchrun(dump: Path, cache: Path, *extra: str, ranks: int = 2) -> str:
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--standalone",
+               str(REPO / "train.py"), *RUN, "--job.dump_folder", str(dump), "--compile.cache_dir", str(cache), *extra]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout + proc.stderr
+
+
+def _losses(dump: Path) -> list[tuple[float, float]]:
+    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    return [(r["loss_metrics/global_avg_loss"], r["grad_norm"]) for r in records]
+
+
+def _summary(output: str) -> str:
+    found = SUMMARY.findall(output)
+    assert len(found) == 1, output[-3000:]
+    return found[0][1]
+
+
+@pytest.fixture(scope="module")
+def once_run(tmp_path_factory) -> tuple[Path, str]:
+    """A 2-rank compiled job that compiles once (the default): (dump folder, output)."""
+    root = tmp_path_factory.mktemp("once")
+    return root, _torchrun(root / "dump", root / "cache")
+
+
+@pytest.mark.slow
+def test_one_rank_compiles_and_the_other_loads_bitwise_equal_to_every_rank_compiling(once_run, tmp_path):
+    root, output = once_run
+    summary = _summary(output)
+    # Rank 0 compiled the forward and the backward graph; rank 1 loaded both and compiled none.
+    assert re.match(r"rank 0 compiled 2 and loaded 0 FX graphs \(1 Dynamo graphs, [\d.]+ s\); rank\(s\) 1 "
+                    r"loaded 2 and compiled 0", summary), summary
+    every = tmp_path / "every"
+    output_every = _torchrun(every, tmp_path / "cache_every", "--compile.compile_on_one_rank", "false")
+    assert not SUMMARY.search(output_every)
+    assert _losses(root / "dump") == _losses(every)  # losses and grad norms, every step, bitwise
+    assert len(_losses(every)) == 3
+
+
+@pytest.mark.slow
+def test_a_precompiled_job_compiles_nothing_and_trains_bitwise_the_same(once_run, tmp_path):
+    root, _ = once_run
+    cache = tmp_path / "cache"
+    command = [sys.executable, str(REPO / "train.py"), *RUN, "--job.dump_folder", str(tmp_path / "pre"),
+               "--compile.cache_dir", str(cache), "--compile.precompile_world_size", "2"]
+    pre = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=_env(), cwd=REPO)
+    assert pre.returncode == 0, pre.stderr[-4000:]
+    assert re.search(r"precompile: rank 0 of 2: compiled 2 FX graphs, found 0", pre.stderr), pre.stderr[-3000:]
+    assert not (tmp_path / "pre" / "metrics.jsonl").exists()  # it trained nothing
+
+    output = _torchrun(tmp_path / "job", cache)
+    summary = _summary(output)
+    assert summary.startswith("rank 0 compiled 0 and loaded 2 FX graphs"), summary
+    assert "rank(s) 1 loaded 2 and compiled 0" in summary, summary
+    assert "compile again" not in output  # the same fingerprint as the precompile's
+    assert _losses(tmp_path / "job") == _losses(root / "dump")
+
+
+@pytest.mark.slow
+def test_a_corrupt_cache_entry_is_compiled_again(once_run, tmp_path):
+    """Every file of torch's FX graph and AOT autograd caches truncated: the job compiles, says so, trains."""
+    root, _ = once_run
+    cache = tmp_path / "cache"
+    subprocess.run(["cp", "-r", str(root / "cache"), str(cache)], check=True)
+    damaged = 0
+    for folder in ("fxgraph", "aotautograd"):
+        for path in (cache / folder).rglob("*"):
+            if path.is_file():
+                path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+                damaged += 1
+    assert damaged >= 2
+    output = _torchrun(tmp_path / "job", cache)
+    assert _losses(tmp_path / "job") == _losses(root / "dump")
+    assert re.match(r"rank 0 compiled 2", _summary(output)), _summary(output)
+
+
+def test_a_changed_fingerprint_says_which_part_changed_once(tmp_path):
+    parts = (("model", "a"), ("layout and recipe", "b"), ("torch", "2.13.0"), ("titan_simple code", "c"))
+    assert describe_recompile(str(tmp_path), "f1", parts, write=True) is None  # an empty folder: nothing to say
+    assert describe_recompile(str(tmp_path), "f1", parts, write=True) is None  # the same graphs
+    newer = (("model", "a"), ("layout and recipe", "b"), ("torch", "2.14.0"), ("titan_simple code", "d"))
+    line = describe_recompile(str(tmp_path), "f2", newer, write=True)
+    assert line == (f"compile: the graphs compile again: {tmp_path} last held another run's (torch, titan_simple "
+                    "code changed)")
+    assert describe_recompile(str(tmp_path), "f2", newer, write=True) is None  # said once
+    (tmp_path / LAST_COMPILE).write_text("{not json")
+    assert "unreadable" in describe_recompile(str(tmp_path), "f3", newer, write=False)
+
+
+def _train_error(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, str(REPO / "train.py"), "--config", "llama3_debug.toml", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO)
+
+
+def test_precompile_bad_input_is_one_line(tmp_path):
+    file = tmp_path / "a_file"
+    file.write_text("")
+    cases = [
+        (("--compile.enable", "--compile.precompile_world_size", "2", "--compile.precompile_device", "cuda"),
+         "precompile_device = 'cuda' but this machine has no CUDA GPU"),
+        (("--compile.enable", "--compile.precompile_world_size", "2", "--compile.cache_dir", str(file / "sub")),
+         f"[compile] cache_dir {str(file / 'sub')!r} cannot be written"),
+        (("--compile.enable", "--compile.cache_dir", str(file / "sub")),  # training, too
+         f"[compile] cache_dir {str(file / 'sub')!r} cannot be written"),
+        (("--compile.precompile_world_size", "2"), "needs [compile] enable = true"),
+        (("--compile.enable", "--compile.precompile_world_size", "-1"), "precompile_world_size"),
+        (("--compile.enable", "--compile.precompile_world_size", "3", "--parallelism.tensor_parallel_degree", "2"),
+         "does not divide"),
+    ]
+    for args, message in cases:
+        if "cuda" in args and _has_cuda():
+            continue
+        done = _train_error(*args, "--job.dump_folder", str(tmp_path / "dump"))
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        assert done.returncode == 2 and len(errors) == 1 and message in errors[0], (args, done.stderr[-2000:])
+        assert "Traceback" not in done.stderr
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+EAGER_STEP = """
+import sys
+import torch
+from titan_simple.config import load_job_config
+from titan_simple.core.assemble import build_run
+from titan_simple.core.plan import resolve_plan
+import titan_simple.trainer.trainer  # what train.py imports
+config = load_job_config(["--config", "llama3_debug.toml", "--model.n_layers", "1", "--training.seq_len", "16",
+                          "--training.local_batch_size", "1"])
+plan = resolve_plan(config, 1, "cpu")
+run = build_run(plan, torch.device("cpu"))
+batch = torch.randint(plan.model_args.vocab_size, (1, 16))
+run.step([(batch, batch)])
+loaded = sorted(m for m in sys.modules if m.startswith(("torch._inductor.compile_fx", "torch._inductor.fx_passes",
+                                                        "titan_simple.compile.compiler",
+                                                        "titan_simple.compile.inductor_private")))
+print("LOADED", loaded)
+"""
+
+
+def test_an_eager_run_does_not_import_the_compiler():
+    done = subprocess.run([sys.executable, "-c", EAGER_STEP], capture_output=True, text=True, timeout=300,
+                          env=_env(), cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "LOADED []" in done.stdout, done.stdout
