@@ -157,7 +157,9 @@ def four_ranks() -> list[dict]:
 def test_pipeline_stage_compiles_talk_only_to_their_own_groups(four_ranks, setting):
     for rank, results in enumerate(four_ranks):
         run = results[setting]
-        assert run["compiles"] >= 2, (setting, rank, run)  # forward and backward of this rank's stage compiled
+        # This rank's stage compiled: its forward, and its backward with it (compile once compiles the backward
+        # inside the forward's compile, compile/once.py), or at the first backward (a compile of its own).
+        assert run["compiles"] >= 1, (setting, rank, run)
         # The compiled graphs hold the stage's FSDP collectives, which the passes bucket / reorder.
         assert run["forward"].get("all_gather", 0) > 0 and run["backward"].get("reduce_scatter", 0) > 0, run
         assert run["moved"] == [], (setting, rank, run)
