@@ -51,10 +51,12 @@ CONFIGS = {
     "fully_shard": ("--parallelism.data_parallel_shard_degree=2", "--training.local_batch_size=4", *REGIONAL),
     "replicate": ("--parallelism.data_parallel_shard_degree=1", "--parallelism.data_parallel_replicate_degree=2",
                   "--training.local_batch_size=4", *REGIONAL),
+    # Each rank its own stages, so its own class under compile once: nothing to share. Off, so that the codes this
+    # rank compiles are all its own (with the caches on, one could come from an earlier job's entry, unrecorded).
     "interleaved_pp2": ("--parallelism.data_parallel_shard_degree=1", "--parallelism.pipeline_parallel_degree=2",
                         "--parallelism.pipeline_parallel_schedule=Interleaved1F1B",
                         "--parallelism.pipeline_parallel_microbatch_size=2", "--training.local_batch_size=8",
-                        *REGIONAL),
+                        "--compile.compile_on_one_rank=false", *REGIONAL),
 }
 
 
