@@ -104,6 +104,8 @@ def table(results: list[dict]) -> list[str]:
              "vs every rank | losses |", "|---|---|---|---|---|---|---|"]
     for layout in LAYOUTS:
         rows = [r for r in results if r["layout"] == layout]
+        if not rows:
+            continue
         every = rows[0]
         one_rank = max(every["compile_cpu"])
         for r in rows:
