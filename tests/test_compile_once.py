@@ -10,9 +10,12 @@ import os
 import re
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from titan_simple.compile.cache import LAST_COMPILE, describe_recompile
 
@@ -121,12 +124,75 @@ def test_a_changed_fingerprint_says_which_part_changed_once(tmp_path):
     assert "unreadable" in describe_recompile(str(tmp_path), "f3", newer, write=False)
 
 
+class _Scale(torch.autograd.Function):
+    """A custom autograd.Function, as float8's matmul is: Dynamo traces it into ``autograd_function_apply``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+def test_a_graph_the_cache_cannot_hold_is_compiled_by_every_rank_without_waiting(tmp_path):
+    """AOT autograd's cache refuses some graphs (a traced autograd.Function): a follower would wait for the whole
+    compile only to compile it itself. Known before compiling (its check), or told by the leader's ``unshared``
+    marker as soon as the leader's cache refused the graph, the follower compiles at once."""
+    from torch._dynamo.utils import counters
+
+    from titan_simple.compile.inductor_private import why_the_cache_cannot_hold
+    from titan_simple.compile.once import REFUSED, CompileOnce
+
+    seen: dict[str, str | None] = {}
+
+    def backend(graph, example_inputs):
+        seen["reason"] = why_the_cache_cannot_hold(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: _Scale.apply(x) + 1, backend=backend)(torch.ones(3, requires_grad=True))
+    assert "autograd_function_apply" in seen["reason"], seen
+    torch.compile(lambda x: x * 2 + 1, backend=backend)(torch.ones(4, requires_grad=True))
+    assert seen["reason"] is None
+
+    leader = CompileOnce(rank=0, leader=0, folder=tmp_path, cache_folder=str(tmp_path))
+    follower = CompileOnce(rank=1, leader=0, folder=tmp_path, cache_folder=str(tmp_path), max_wait_seconds=120)
+    finish = threading.Event()
+
+    def leader_compile():
+        counters["aot_autograd"]["autograd_cache_bypass"] += 1  # what AOT autograd counts when it refuses a key
+        finish.wait(60)  # the rest of a long compile
+        return "leader's"
+
+    thread = threading.Thread(target=leader.compile, args=("graph 0", leader_compile))
+    thread.start()
+    start = time.perf_counter()
+    assert follower.compile("graph 0", lambda: "follower's") == "follower's"
+    waited = time.perf_counter() - start
+    finish.set()
+    thread.join()
+    assert waited < 30 and (tmp_path / "leader0" / "0.unshared").exists()  # not the leader's 60 s
+    assert leader.records[0].unshareable == follower.records[0].unshareable == REFUSED
+    # Known before compiling: the follower does not even wait for the leader's announcement of graph 1.
+    start = time.perf_counter()
+    follower.compile("graph 1", lambda: None, unshareable="a reason")
+    assert time.perf_counter() - start < 5 and not (tmp_path / "leader0" / "1.start").exists()
+
+
 def _train_error(*args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, str(REPO / "train.py"), "--config", "llama3_debug.toml", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO)
 
 
-def test_precompile_bad_input_is_one_line(tmp_path):
+def test_precompile_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
+    """Each refused before anything is built: the precompile's in this process (train.py's ``main``, as the
+    command runs it, in the environment of ``_env``), the training one through train.py in a process of its own."""
+    import train
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # it would win over [compile] cache_dir
+
     file = tmp_path / "a_file"
     file.write_text("")
     cases = [
@@ -144,10 +210,15 @@ def test_precompile_bad_input_is_one_line(tmp_path):
     for args, message in cases:
         if "cuda" in args and _has_cuda():
             continue
-        done = _train_error(*args, "--job.dump_folder", str(tmp_path / "dump"))
-        errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-        assert done.returncode == 2 and len(errors) == 1 and message in errors[0], (args, done.stderr[-2000:])
-        assert "Traceback" not in done.stderr
+        argv = ["--config", "llama3_debug.toml", *args, "--job.dump_folder", str(tmp_path / "dump")]
+        if "--compile.precompile_world_size" in args:
+            code, stderr = train.main(argv), capsys.readouterr().err
+        else:
+            done = _train_error(*argv[2:])
+            code, stderr = done.returncode, done.stderr
+        errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+        assert code == 2 and len(errors) == 1 and message in errors[0], (args, stderr[-2000:])
+        assert "Traceback" not in stderr
 
 
 def _has_cuda() -> bool:

@@ -29,7 +29,7 @@ import torch._prims.rng_prims as rng_prims
 import torch.utils._pytree as pytree
 import torch.utils._runtime_estimation as runtime_estimation
 from torch._dynamo.utils import counters
-from torch._functorch._aot_autograd import graph_compile
+from torch._functorch._aot_autograd import autograd_cache, graph_compile
 from torch._inductor import comm_analysis, custom_graph_pass
 from torch._inductor import utils as inductor_utils
 from torch._inductor.compile_fx import compile_fx
@@ -128,6 +128,8 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
     (inductor_config, "force_disable_caches", "compile/once.py: whether the environment keeps the caches off"),
     (functorch_config, "force_non_lazy_backward_lowering",
      "compile/once.py: the backward compiled with the forward, so the leader's cache entry holds both"),
+    (autograd_cache, "check_cacheable", "compile/once.py: whether AOT autograd's cache can hold a graph at all"),
+    (autograd_cache, "BypassAOTAutogradCache", "compile/once.py: the reason check_cacheable refuses a graph"),
 )
 
 
@@ -397,6 +399,25 @@ def shared_compile_caches() -> contextlib.AbstractContextManager:
     stack.enter_context(inductor_config.patch(fx_graph_cache=True))
     stack.enter_context(functorch_config.patch(enable_autograd_cache=True, force_non_lazy_backward_lowering=True))
     return stack
+
+
+def autograd_cache_bypasses() -> int:
+    """How many graphs AOT autograd's cache has refused so far in this process (``counters``; it counts one as soon
+    as it computes the graph's key, before compiling)."""
+    return counters["aot_autograd"]["autograd_cache_bypass"]
+
+
+def why_the_cache_cannot_hold(graph: torch.fx.GraphModule) -> str | None:
+    """Why AOT autograd's cache would refuse this Dynamo graph (its first line), or None if it can hold it: the
+    check its cache key runs first (``autograd_cache.check_cacheable``), with the caches on as the shared compiles
+    have them. A refused graph (a traced ``autograd.Function``, for one: float8's matmul) is compiled anew by
+    every rank, whatever another rank left in the cache."""
+    with shared_compile_caches():
+        try:
+            autograd_cache.check_cacheable(graph)
+        except autograd_cache.BypassAOTAutogradCache as refused:
+            return str(refused).strip().splitlines()[0][:160]
+    return None
 
 
 def compile_caches_forced_off() -> list[str]:
