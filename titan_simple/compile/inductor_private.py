@@ -129,7 +129,6 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
     (functorch_config, "force_non_lazy_backward_lowering",
      "compile/once.py: the backward compiled with the forward, so the leader's cache entry holds both"),
     (autograd_cache, "check_cacheable", "compile/once.py: whether AOT autograd's cache can hold a graph at all"),
-    (autograd_cache, "BypassAOTAutogradCache", "compile/once.py: the reason check_cacheable refuses a graph"),
 )
 
 
@@ -415,8 +414,8 @@ def why_the_cache_cannot_hold(graph: torch.fx.GraphModule) -> str | None:
     with shared_compile_caches():
         try:
             autograd_cache.check_cacheable(graph)
-        except autograd_cache.BypassAOTAutogradCache as refused:
-            return str(refused).strip().splitlines()[0][:160]
+        except Exception as refused:  # noqa: BLE001 -- torch's key treats any exception here as a bypass too
+            return (str(refused).strip().splitlines() or [type(refused).__name__])[0][:160]
     return None
 
 
