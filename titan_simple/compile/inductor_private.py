@@ -29,7 +29,7 @@ import torch._prims.rng_prims as rng_prims
 import torch.utils._pytree as pytree
 import torch.utils._runtime_estimation as runtime_estimation
 from torch._dynamo.utils import counters
-from torch._functorch._aot_autograd import autograd_cache, graph_compile
+from torch._functorch._aot_autograd import graph_compile
 from torch._inductor import comm_analysis, custom_graph_pass
 from torch._inductor import utils as inductor_utils
 from torch._inductor.compile_fx import compile_fx
@@ -105,7 +105,8 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
      "comm_plan.py: whether an op returns a view (alias_info of its returns)"),
     (pytree, "tree_map", "cpu_cost_model.py: node arguments -> their fake values, for the FLOP formulas"),
     (pytree, "tree_flatten", "comm_plan.py: the tensors of a collective's value (bytes, dtype)"),
-    (torch._dynamo.utils, "counters", "compile/cache.py: the FX graph cache's hit / miss / bypass counts"),
+    (torch._dynamo.utils, "counters",
+     "compile/cache.py, once.py: the FX graph cache's hit / miss / bypass counts, AOT autograd's bypasses"),
     (cache_dir_utils, "cache_dir", "compile/cache.py: the folder torch's compile caches use"),
     (inductor_config, "fx_graph_cache", "compile/cache.py: whether the FX graph cache is on"),
     (cache_dir_utils, "default_cache_dir", "compile/cache.py: tells torch's default folder from the user's"),
@@ -128,7 +129,6 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
     (inductor_config, "force_disable_caches", "compile/once.py: whether the environment keeps the caches off"),
     (functorch_config, "force_non_lazy_backward_lowering",
      "compile/once.py: the backward compiled with the forward, so the leader's cache entry holds both"),
-    (autograd_cache, "check_cacheable", "compile/once.py: whether AOT autograd's cache can hold a graph at all"),
 )
 
 
@@ -404,19 +404,6 @@ def autograd_cache_bypasses() -> int:
     """How many graphs AOT autograd's cache has refused so far in this process (``counters``; it counts one as soon
     as it computes the graph's key, before compiling)."""
     return counters["aot_autograd"]["autograd_cache_bypass"]
-
-
-def why_the_cache_cannot_hold(graph: torch.fx.GraphModule) -> str | None:
-    """Why AOT autograd's cache would refuse this Dynamo graph (its first line), or None if it can hold it: the
-    check its cache key runs first (``autograd_cache.check_cacheable``), with the caches on as the shared compiles
-    have them. A refused graph (a traced ``autograd.Function``, for one: float8's matmul) is compiled anew by
-    every rank, whatever another rank left in the cache."""
-    with shared_compile_caches():
-        try:
-            autograd_cache.check_cacheable(graph)
-        except Exception as refused:  # noqa: BLE001 -- torch's key treats any exception here as a bypass too
-            return (str(refused).strip().splitlines() or [type(refused).__name__])[0][:160]
-    return None
 
 
 def compile_caches_forced_off() -> list[str]:

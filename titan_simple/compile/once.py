@@ -21,9 +21,9 @@ stage; tensor parallel and HSDP put every rank in its own class, so each compile
 compiling and marks it done after (also when the compile fails). A follower waits for the announcement of its
 graph ``n`` (at most ``start_grace_seconds``: a leader that never reaches it has no such graph), then, if the
 digests match, for the leader to finish (at most ``max_wait_seconds``) and compiles, loading. A different digest
-(a rank-specific graph) compiles at once, and so does a graph AOT autograd's cache refuses (a traced
-``autograd.Function``, as float8's matmul is: its check before compiling, or the leader's ``n.unshared`` marker,
-written as soon as the cache refused its graph, tell the followers). Nothing here decides which code a rank runs:
+(a rank-specific graph) compiles at once, and so does a graph AOT autograd's cache refuses (one that traces an
+``autograd.Function``, as float8's matmul does): the leader writes ``n.unshared`` as soon as its cache refused
+the graph, at key time, and the followers stop waiting. Nothing here decides which code a rank runs:
 torch's cache keys hold the whole graph, its settings and torch's version, so a rank whose graph differs misses
 and compiles its own. Markers are written under a temporary name and renamed: a reader never sees half of one.
 
@@ -64,14 +64,12 @@ from titan_simple.compile.inductor_private import (
     compile_counters,
     compile_graph_with_inductor,
     shared_compile_caches,
-    why_the_cache_cannot_hold,
 )
 
 logger = logging.getLogger(__name__)
 
 MARKERS = "titan_simple_compile_once"
 _STALE_SECONDS = 24 * 3600  # marker folders of launches untouched this long are removed at start
-REFUSED = "AOT autograd's cache refused it"
 
 
 @dataclass
@@ -84,7 +82,7 @@ class GraphRecord:
     compiled: int  # FX graphs compiled here (cache misses and graphs the cache cannot hold)
     waited: float = 0.0  # seconds spent waiting for the leader
     same_as_leader: bool = True  # False: this rank's graph differs from the leader's graph of that index
-    unshareable: str | None = None  # why torch's cache cannot hold this graph: every rank compiled it, no waiting
+    unshared: bool = False  # AOT autograd's cache refused this graph: every rank compiled it, none waited
 
 
 @dataclass
@@ -108,15 +106,12 @@ class CompileOnce:
     def backend(self, options: dict[str, Any]) -> CompileOnceBackend:
         return CompileOnceBackend(self, options)
 
-    def compile(self, digest: str, compile_graph: Callable[[], Any], unshareable: str | None = None) -> Any:
+    def compile(self, digest: str, compile_graph: Callable[[], Any]) -> Any:
         """Compile one Dynamo graph (``compile_graph``: Inductor's entry point for it; ``digest`` names its
-        content), after the leader has compiled its graph of the same index; at once when torch's cache cannot
-        hold it (``unshareable``: why, known before or learnt from the leader), as a follower would only wait to
-        compile it anyway."""
+        content), after the leader has compiled its graph of the same index, or as soon as the leader's cache
+        refused it (a follower would only wait to compile it anyway)."""
         index = len(self.records)
-        waited, same = 0.0, True
-        if not (self.leads or unshareable):
-            waited, same, unshareable = self._wait_for_leader(index, digest)
+        waited, same, unshared = (0.0, True, False) if self.leads else self._wait_for_leader(index, digest)
         if self.leads:
             self._mark(index, "start", digest=digest)
         before = compile_counters()
@@ -130,7 +125,7 @@ class CompileOnce:
         after = compile_counters()
         self.records.append(GraphRecord(index, time.perf_counter() - start, after["hit"] - before["hit"],
                                         after["miss"] + after["bypass"] - before["miss"] - before["bypass"], waited,
-                                        same, unshareable or (REFUSED if refused() else None)))
+                                        same, unshared or refused()))
         return compiled
 
     @contextlib.contextmanager
@@ -169,10 +164,10 @@ class CompileOnce:
         partial.replace(path)
         os.utime(self.folder)  # the launch is alive: _remove_stale keeps it
 
-    def _wait_for_leader(self, index: int, digest: str) -> tuple[float, bool, str | None]:
+    def _wait_for_leader(self, index: int, digest: str) -> tuple[float, bool, bool]:
         """Wait for the leader's graph ``index``: its announcement, then, if it is this graph, its compile, or
         word that torch's cache refused it. Returns the seconds waited, whether the graphs are the same, and
-        why the cache cannot hold it (None when it can)."""
+        whether the leader's cache refused the graph."""
         start = time.perf_counter()
         announced, done = self._marker(index, "start"), self._marker(index, "done")
         unshared = self._marker(index, "unshared")
@@ -180,10 +175,10 @@ class CompileOnce:
             if time.perf_counter() - start > self.start_grace_seconds:
                 logger.warning("compile once: rank %d has no graph %d after %.0f s; rank %d compiles its own",
                                self.leader, index, self.start_grace_seconds, self.rank)
-                return time.perf_counter() - start, False, None
+                return time.perf_counter() - start, False, False
             time.sleep(0.05)
         if json.loads(announced.read_text()).get("digest") != digest:
-            return time.perf_counter() - start, False, None
+            return time.perf_counter() - start, False, False
         next_note = 60.0
         while not done.exists() and not unshared.exists():
             waited = time.perf_counter() - start
@@ -196,7 +191,7 @@ class CompileOnce:
                             self.rank, self.leader, index, waited)
                 next_note += 60.0
             time.sleep(0.05)
-        return time.perf_counter() - start, True, REFUSED if unshared.exists() else None
+        return time.perf_counter() - start, True, unshared.exists()
 
 
 def graph_digest(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> str:
@@ -225,8 +220,7 @@ class CompileOnceBackend:
 
     def __call__(self, graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         digest = graph_digest(graph, example_inputs)
-        return self.session.compile(digest, lambda: compile_graph_with_inductor(graph, example_inputs, self.options),
-                                    why_the_cache_cannot_hold(graph))
+        return self.session.compile(digest, lambda: compile_graph_with_inductor(graph, example_inputs, self.options))
 
     def __eq__(self, other: object) -> bool:
         return (isinstance(other, CompileOnceBackend) and other.session is self.session
@@ -331,7 +325,7 @@ def describe_compile_once(session: CompileOnce | None) -> str:
                     compiled=sum(r.compiled for r in records), seconds=sum(r.seconds for r in records),
                     waited=sum(r.waited for r in records), folder=session.cache_folder,
                     differ=sum(not r.same_as_leader for r in records),
-                    unshareable=[r.unshareable for r in records if r.unshareable])
+                    unshared=sum(r.unshared for r in records))
     everyone: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(everyone, mine)
     parts = [_describe_class(everyone, leader) for leader in sorted({r["leader"] for r in everyone} - {None})]
@@ -355,9 +349,9 @@ def _describe_class(everyone: list[dict[str, Any]], leader: int) -> str:
                  f"{max(r['waited'] for r in followers):.1f} s)")
         if differ := sum(r["differ"] for r in followers):
             text += f", {differ} graph(s) differing from rank {leader}'s"
-    if lead["unshareable"]:
-        text += (f"; {len(lead['unshareable'])} Dynamo graph(s) compiled by every rank, torch's cache cannot hold "
-                 f"them ({lead['unshareable'][0]})")
+    if lead["unshared"]:
+        text += (f"; {lead['unshared']} Dynamo graph(s) compiled by every rank: AOT autograd's cache refused them "
+                 "(a traced autograd.Function)")
     return text
 
 
