@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,7 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "benchmarks.md"
-BASE = ["--config", "llama3_debug.toml", "--training.steps", "2", "--metrics.log_freq", "1",
+BASE = ["--config", "llama3_debug.toml", "--metrics.log_freq", "1",
         "--training.mixed_precision_param", "float32", "--compile.enable", "--lr_scheduler.warmup_steps", "1"]
 LAYOUTS = {
     "fully_shard": [],
@@ -95,15 +96,17 @@ def descendants_cpu(pid: int) -> float:
     return sum(times[p] for p in below) / os.sysconf("SC_CLK_TCK")
 
 
-def run_job(layout: str, mode: str, root: Path) -> dict:
+def run_job(layout: str, mode: str, root: Path, steps: int = 2) -> dict:
+    from titan_simple.trainer.metrics import TOKENS_PER_SECOND
+
     folder = root / f"{layout.replace(' ', '')}-{mode.split()[0]}"
     cache = folder / "compile_cache"
     env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     env.update(OMP_NUM_THREADS="1", BENCH_OUT=str(folder), PYTHONPATH=str(REPO))
     if mode == "every rank compiles":  # no rank finds another's graph in the cache: each compiles all of them
         env.update(TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")
-    args = [*BASE, *LAYOUTS[layout], *MODES[mode], "--job.dump_folder", str(folder / "dump"),
-            "--compile.cache_dir", str(cache)]
+    args = [*BASE, "--training.steps", str(steps), *LAYOUTS[layout], *MODES[mode],
+            "--job.dump_folder", str(folder / "dump"), "--compile.cache_dir", str(cache)]
     folder.mkdir(parents=True)
     precompile_seconds = None
     if mode == "precompiled":
@@ -124,6 +127,8 @@ def run_job(layout: str, mode: str, root: Path) -> dict:
     return {"layout": layout, "mode": mode, "compile_cpu": compile_cpu, "leads": [m["leads"] for m in marks],
             "step1_wall": marks[0]["step1"][1] - launch,
             "losses": [(r["loss_metrics/global_avg_loss"], r["grad_norm"]) for r in metrics],
+            # steady state, after the compiling step and the one after it: the compiled code each mode runs
+            "tokens_per_second": statistics.median(r[TOKENS_PER_SECOND] for r in metrics[2:]) if steps > 2 else None,
             "precompile_seconds": precompile_seconds, "summary": summary[0] if summary else ""}
 
 
@@ -132,7 +137,7 @@ def table(results: list[dict]) -> list[str]:
     compiled each class's graphs alone (the leaders of "one rank compiles": what compiling every distinct graph
     exactly once costs on this machine)."""
     lines = ["| layout | mode | compile CPU-s, 4 ranks (per rank) | x each graph once | launch to end of step 1 | "
-             "vs every rank | losses |", "|---|---|---|---|---|---|---|"]
+             "vs every rank | losses | tokens/s per rank, steps 3+ |", "|---|---|---|---|---|---|---|---|"]
     for layout in LAYOUTS:
         rows = [r for r in results if r["layout"] == layout]
         once = [r for r in rows if r["mode"] == "one rank compiles"]
@@ -146,7 +151,8 @@ def table(results: list[dict]) -> list[str]:
             lines.append(f"| {layout} | {r['mode']} | {sum(r['compile_cpu']):.1f} "
                          f"({', '.join(f'{c:.1f}' for c in r['compile_cpu'])}) | "
                          f"{sum(r['compile_cpu']) / each_once:.2f} | {r['step1_wall']:.1f} s{pre} | "
-                         f"{r['step1_wall'] / every['step1_wall'] - 1:+.0%} | {same} |")
+                         f"{r['step1_wall'] / every['step1_wall'] - 1:+.0%} | {same} | "
+                         f"{r['tokens_per_second'] or 0:,.0f} |")
     return lines
 
 
@@ -154,6 +160,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--doc", action="store_true", help="write the table into docs/benchmarks.md")
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
+    parser.add_argument("--steps", type=int, default=2,
+                        help="steps per job; above 2, the median tokens/s of steps 3+ (steady state) is reported")
     args = parser.parse_args()
     load = os.getloadavg()[0]
     results = []
@@ -162,7 +170,7 @@ def main() -> None:
             for mode in MODES:
                 if mode == "precompiled" and "pp" in layout:  # not precompiled (dry_run/precompile.py says why)
                     continue
-                results.append(run_job(layout, mode, Path(root)))
+                results.append(run_job(layout, mode, Path(root), args.steps))
                 print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
     lines = [f"Load average at the start: {load:.2f}.", "", *table(results), ""]
     lines += [f"- {r['layout']}, {r['mode']}: `compile once {r['summary']}`" for r in results if r["summary"]]
