@@ -12,7 +12,6 @@ A compiled multi-rank run starts its compile-once session here, before anything 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -73,7 +72,7 @@ def _start_compile_once(mesh: DeviceMesh | None, device: torch.device) -> None:
 
     session = active_session()
     if session is None or not session.pinned:  # the precompile pins its own
-        start_compile_once(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or inductor_cache_dir(), mesh, device)
+        start_compile_once(inductor_cache_dir(), mesh, device)
 
 
 def build_run(plan: RunPlan, device: torch.device, *, mesh: DeviceMesh | None = None, materialize: bool = True,
