@@ -49,12 +49,15 @@ class Recipe:
     max_norm: float = 1.0
     vocab: int = 2000
     batch_seed: int = 1234
+    eos_id: int | None = None  # set: about one token in 16 becomes this id (documents for block-causal attention)
     extra: tuple[str, ...] = field(default=())  # config overrides every run of this recipe gets
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The global batch of ``step``: random token ids from a generator seeded by the step."""
         g = torch.Generator().manual_seed(self.batch_seed + step)
         tokens = torch.randint(0, self.vocab, (self.global_batch, self.seq_len + 1), generator=g)
+        if self.eos_id is not None:
+            tokens[torch.rand(tokens.shape, generator=g) < 1 / 16] = self.eos_id
         return tokens[:, :-1], tokens[:, 1:]
 
     def config(self, *overrides: str) -> JobConfig:

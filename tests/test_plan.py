@@ -27,7 +27,7 @@ PLAN_FILE = REPO / "titan_simple" / "core" / "plan.py"
 DECISIONS = (
     "model_args_for", "plan_pipeline", "accumulation_steps", "choose_gather_mode", "choose_precision",
     "cpu_has_native_bf16", "choose_compile_mode", "uses_loss_parallel", "choose_reshard_after_forward",
-    "plan_validation", "choose_loss_chunks", "choose_async_tensor_parallel",
+    "plan_validation", "choose_loss_chunks", "choose_async_tensor_parallel", "plan_attention",
 )
 # Outside the resolver, only generation resolves one decision: the model of the config, built on one process
 # without a layout (a Hugging Face folder's or the flavor's; titan_simple/generate.py).
@@ -39,6 +39,7 @@ DECISION_KEYS = {
     "training": {"mixed_precision_param", "mixed_precision_reduce", "global_batch_size", "shuffle"},
     "activation_checkpoint": {"mode", "selective_ac_option"},
     "compile": {"enable", "bucketing", "reorder", "backend", "manual_bucketed_modules"},
+    "model": {"attention", "attention_mask"},
 }
 # Lower layers first; a module may import only from its own package or a lower layer.
 # The core (plan, build, step) sits on the parallelisms and the compiler; the trainer and the dry run are siblings

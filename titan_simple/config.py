@@ -67,6 +67,16 @@ class Model:
         0, "Transformer blocks, overriding the flavor's (0 = the flavor's): for depth experiments such as "
         "compile time against depth (scripts/benchmarks/benchmark_compile.py)."
     )
+    attention: str = option(
+        "sdpa", "The attention kernel: sdpa (torch's scaled_dot_product_attention: flash on CUDA and CPU, both masks) "
+        "or flex (FlexAttention, compiled; CUDA only: torch 2.13's FlexAttention has no backward on CPU).",
+        choices=("sdpa", "flex"),
+    )
+    attention_mask: str = option(
+        "causal", "causal (every earlier token of the sequence) or block_causal (document masking, as Llama 3 was "
+        "pretrained: a token attends only to earlier tokens of its own document inside a packed sequence; documents "
+        "end at the tokenizer's EOS). TorchTitan calls it attn_mask_type.", choices=("causal", "block_causal"),
+    )
     converters: list[str] = option(
         [], "Module swaps applied to the model on the meta device, before tensor parallel and SimpleFSDP: "
         "'float8' (torchao's float8 linears, configured in [float8]; needs the float8 extra and a GPU with float8 "
@@ -184,6 +194,12 @@ class Parallelism:
     data_parallel_replicate_degree: int = option(1, "Replicas (DDP dimension; HSDP when combined with sharding).")
     data_parallel_shard_degree: int = option(-1, "Shards (FSDP dimension); -1 = the rest of the world size.")
     tensor_parallel_degree: int = option(1, "Tensor-parallel degree.")
+    context_parallel_degree: int = option(
+        1, "Context-parallel degree: the ranks of each data-parallel group split every sequence (head-tail "
+        "balanced, 2 x cp chunks), gather the keys and values of the whole sequence in each attention, and shard the "
+        "weights with the data-parallel shards (SimpleFSDP over dp_shard x cp). For long sequences: activations "
+        "and logits per rank fall by the degree. seq_len must be a multiple of 2 x cp (x tensor_parallel_degree)."
+    )
     disable_loss_parallel: bool = option(
         False, "With tensor parallel, all-gather the full logits for the loss instead of computing the "
         "cross-entropy on vocab-sharded logits (loss parallel, the default: less memory and traffic)."
@@ -788,7 +804,8 @@ def validate(config: JobConfig) -> None:
     _require(config.metrics.log_freq > 0, config, "metrics", "log_freq", "a positive integer")
     _require(config.compile.precompile_world_size >= 0, config, "compile", "precompile_world_size",
              "0 (train) or the number of ranks of the job to compile for")
-    for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree"):
+    for key in ("data_parallel_replicate_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
+                "context_parallel_degree"):
         _require(getattr(parallelism, key) >= 1, config, "parallelism", key, "an integer >= 1")
     _require(parallelism.data_parallel_shard_degree == -1 or parallelism.data_parallel_shard_degree >= 1, config,
              "parallelism", "data_parallel_shard_degree", "-1 (the rest of the world) or an integer >= 1")

@@ -29,6 +29,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from titan_simple.models.attention import Mask
 from titan_simple.parallel.simple_fsdp import gather_unsharded
 
 # A region's buckets, by module name inside its first and last blocks (``region_bucket_plan``). The first
@@ -73,8 +74,9 @@ class EmbeddingRegion(nn.Module):
         self.tok_embeddings = tok_embeddings
         self.handoff: HandoffGather | None = None
 
-    def forward(self, tokens: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, Handed]:
-        # freqs_cis is unused: every region takes the same arguments (RegionalForward calls them alike).
+    def forward(self, tokens: torch.Tensor, freqs_cis: torch.Tensor, mask: Mask | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, Handed]:
+        # freqs_cis and mask are unused: every region takes the same arguments (RegionalForward calls them alike).
         h = self.tok_embeddings(tokens)
         return h if self.handoff is None else (h, self.handoff())
 
@@ -92,9 +94,10 @@ class BlockRegion(nn.Module):
         self.output: nn.Module | None = None
         self.handoff: HandoffGather | None = None
 
-    def forward(self, h: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, Handed]:
+    def forward(self, h: torch.Tensor, freqs_cis: torch.Tensor, mask: Mask | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, Handed]:
         for block in self.blocks:
-            h = block(h, freqs_cis)
+            h = block(h, freqs_cis, mask)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
@@ -147,11 +150,11 @@ class RegionalForward:
         """The regions to compile: all but an embedding region that runs eagerly."""
         return [r for r in self.regions if self.embedding_compiles or not isinstance(r, EmbeddingRegion)]
 
-    def __call__(self, x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: Mask | None = None) -> torch.Tensor:
         handed: Handed = ()
         for region, receivers in zip(self.regions, self.receivers, strict=True):
             with _holding(receivers, handed):
-                out = region(x, freqs_cis)
+                out = region(x, freqs_cis, mask)
             x, handed = out if region.handoff is not None else (out, ())
         return x
 

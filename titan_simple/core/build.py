@@ -26,6 +26,7 @@ from titan_simple.core.loss import ModelWithLoss
 from titan_simple.core.plan import RunPlan
 from titan_simple.models.float8 import convert_to_float8
 from titan_simple.models.llama3 import ModelArgs, Transformer, count_parameters, flops_per_token
+from titan_simple.parallel.context_parallel import ContextParallel, context_parallel_mesh
 from titan_simple.parallel.parallelize import parallelize_llama
 from titan_simple.parallel.pipeline import PipelineRun, build_pipeline
 from titan_simple.parallel.sharded_init import materialize_and_init
@@ -49,6 +50,8 @@ class ModelParts:
     # The model and its loss as one module, compiled as one graph when the plan says so
     # (``plan.loss.compiled_with_model``); the step runs it instead of the model.
     model_with_loss: ModelWithLoss | None = None
+    # Context parallel: this rank's share of each sequence, and the loss summed over the cp group.
+    context_parallel: ContextParallel | None = None
 
     @property
     def model(self) -> nn.Module | None:
@@ -98,6 +101,7 @@ def build_model_parts(plan: RunPlan, mesh: DeviceMesh | None, device: torch.devi
         model_args=plan.model_args, modules=modules, pipeline=pipeline,
         device=device if materialize else torch.device("meta"), num_params=num_params, flops_per_token=flops,
         step_gather=step_gather, model_with_loss=_model_with_loss(plan, modules),
+        context_parallel=ContextParallel(context_parallel_mesh(mesh)) if plan.dims.cp > 1 else None,
     )
 
 

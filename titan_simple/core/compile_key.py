@@ -14,6 +14,7 @@ import torch
 
 from titan_simple.config import JobConfig
 from titan_simple.core.loss import LossPlan
+from titan_simple.models.attention import AttentionPlan
 from titan_simple.models.float8 import Float8Plan
 from titan_simple.models.llama3 import ModelArgs
 from titan_simple.parallel.parallelize import ParallelPlan
@@ -26,8 +27,8 @@ def compile_cache_folder(config: JobConfig) -> str:
 
 
 def compile_fingerprint(config: JobConfig, model_args: ModelArgs, parallel: ParallelPlan, loss: LossPlan,
-                        pipeline: PipelinePlan | None, accumulation: int, float8: Float8Plan | None = None
-                        ) -> tuple[str, tuple[tuple[str, str], ...]]:
+                        pipeline: PipelinePlan | None, accumulation: int, float8: Float8Plan | None = None,
+                        attention: AttentionPlan | None = None) -> tuple[str, tuple[tuple[str, str], ...]]:
     """What this rank's compiled graphs are made of, hashed, and each named part's own short hash: the model,
     the layout and what the recipe applies (dtypes, checkpointing, compile settings), the loss, the shapes of a
     microbatch, the torch version and this package's source. It names the comm plan's copy in the compile cache
@@ -37,7 +38,7 @@ def compile_fingerprint(config: JobConfig, model_args: ModelArgs, parallel: Para
     recipe = dataclasses.replace(parallel, compile=dataclasses.replace(
         parallel.compile, dump_folder=None, cache_dir="", fingerprint="", fingerprint_parts=()))
     parts = {
-        "model": repr(model_args) + repr(float8),
+        "model": repr(model_args) + repr(float8) + ("" if attention is None else repr(attention)),
         "layout and recipe": repr(recipe) + repr(pipeline),
         "loss": repr(loss),
         "shapes": f"{accumulation} {training.seq_len} {training.local_batch_size} "

@@ -79,9 +79,9 @@ class ModelWithLoss(nn.Module):
         self._autocast = autocast
         self._loss = loss
 
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs: torch.Tensor) -> torch.Tensor:
         with self._autocast():
-            output = self.model(inputs)
+            output = self.model(inputs, **model_kwargs)
         return self._loss.sum(output, labels)
 
 

@@ -6,13 +6,12 @@
     run = build_run(plan, device)                                 # the build, the step, validation, the dry
                                                                   # run and the benchmark read the plan
 
-Every decision derived from the config and the mesh degrees has one function below, and only
-``resolve_plan`` calls them (tests may call them directly): the mesh degrees, the pipeline plan, gradient
-accumulation, the gather mode, the parameter / reduce dtypes and autocast, reshard after forward, loss
-parallel, the compile mode and the data order. Every check that needs no communication runs while resolving.
-Nothing below the plan reads ``[parallelism]``, ``[compile]``, ``[activation_checkpoint]`` or the precision
-keys to decide something again; plain settings (learning rate, paths, intervals) are read from
-``plan.config`` where they are used.
+Every decision derived from the config and the mesh degrees has one function below, and only ``resolve_plan``
+calls them (tests may call them directly): the mesh degrees, the pipeline plan, gradient accumulation, the gather
+mode, the parameter / reduce dtypes and autocast, reshard after forward, loss parallel, the compile mode, the
+attention and the data order. Every check that needs no communication runs while resolving. Nothing below the plan
+reads ``[parallelism]``, ``[compile]``, ``[activation_checkpoint]``, the precision or attention keys to decide
+something again; plain settings (learning rate, paths, intervals) are read from ``plan.config`` where they are used.
 """
 
 from __future__ import annotations
@@ -22,17 +21,18 @@ import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from titan_simple.compile.compile_plan import CompilePlan
-from titan_simple.config import JobConfig
-from titan_simple.core.batching import accumulation_steps
+from titan_simple.config import JobConfig, resolve_project_path
+from titan_simple.core.batching import DataOrder, accumulation_steps
 from titan_simple.core.compile_key import compile_cache_folder, compile_fingerprint
 from titan_simple.core.loss import LossPlan
 from titan_simple.data.datasets import data_cache_folder
+from titan_simple.data.tokenizer import Tokenizer
 from titan_simple.errors import ConfigError
+from titan_simple.models.attention import AttentionPlan, check_attention_kernel
 from titan_simple.models.float8 import Float8Plan, plan_float8, plan_float8_parallel
 from titan_simple.models.from_config import check_initial_weights, model_args_for
 from titan_simple.models.llama3 import ModelArgs
@@ -51,22 +51,6 @@ class Precision:
     param_dtype: torch.dtype  # what the weights are gathered and computed in
     reduce_dtype: torch.dtype  # what gradients are reduced in across ranks
     autocast_dtype: torch.dtype | None  # set when nobody else casts the weights (no data parallel, bf16)
-
-
-@dataclass(frozen=True)
-class DataOrder:
-    """The layout-invariant order (``data/sample_index.py``): step s, row r reads global sample
-    ``consumed + s x global_rows + r``; each data-parallel rank reads its block of rows."""
-
-    global_rows: int  # sequences per optimizer step: local batch x dp x accumulation
-    shuffle_seed: int | None  # None: documents in store order
-    cache: Path  # where the token stores are (data/token_store.py)
-    ranks: int = 1  # the data-parallel ranks each global batch is split over (every replica group's)
-    first_rank: int = 0  # this group's first one (fault tolerance: group g reads the block of ranks g x dp ..)
-
-    def rank(self, dp_rank: int) -> int:
-        """The block of each global batch that data-parallel rank ``dp_rank`` of this group reads."""
-        return self.first_rank + dp_rank
 
 
 @dataclass(frozen=True)
@@ -90,6 +74,7 @@ class RunPlan:
     data: DataOrder
     validation: ValidationPlan | None
     float8: Float8Plan | None = None  # [model] converters = ["float8"]
+    attention: AttentionPlan = AttentionPlan()  # the kernel and the mask (causal or block-causal)
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)  # why "auto" / "default" chose
 
     @property
@@ -125,12 +110,12 @@ class RunPlan:
         tied = ", tied embeddings" if args.tie_word_embeddings else ""
         lines = [f"plan: llama3 {model} ({args.n_layers} layers, dim {args.dim}, vocab {args.vocab_size}{rope}{tied}) "
                  f"| world {dims.world_size} on {self.device_type}: {dims.describe}"]
-        if dims.dp_enabled:
+        if dims.fsdp_enabled:
             wrapper = "SimpleFSDP" if parallel.fsdp_implementation == "simple" else "FSDP2"
             reshard = "reshard after forward" if parallel.reshard_after_forward else "keep gathered weights"
-            gather = (f" | gather {self.gather_mode}{why('gather')}"
-                      if parallel.fsdp_implementation == "simple" else "")
-            lines.append(f"  data parallel: {wrapper} {dims.data_parallel_mode}, {reshard}{why('reshard')}{gather}")
+            gather = f" | gather {self.gather_mode}{why('gather')}" if parallel.fsdp_implementation == "simple" else ""
+            mode = dims.data_parallel_mode + (" over dp_shard x cp" if dims.cp > 1 else "")
+            lines.append(f"  data parallel: {wrapper} {mode}, {reshard}{why('reshard')}{gather}")
         precision = self.precision
         autocast = (f"autocast {_name(precision.autocast_dtype)}" if precision.autocast_dtype is not None
                     else "no autocast")
@@ -144,7 +129,7 @@ class RunPlan:
                    else "in store order")
         lines.append(f"  batch: {self.data.global_rows} x {training.seq_len} = {self.global_tokens:,} tokens per "
                      f"step | local {training.local_batch_size} x {self.accumulation_steps} accumulation | data "
-                     f"{shuffle}")
+                     f"{shuffle}" + (f" | {self.attention.describe()}" if self.attention != AttentionPlan() else ""))
         if self.pipeline is not None:
             plan = self.pipeline
             fewest, most = min(map(len, plan.stage_layers)), max(map(len, plan.stage_layers))
@@ -187,7 +172,8 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     communication."""
     reasons: dict[str, str] = {}
     dims = ParallelDims.from_config(config, world_size)
-    model_args = model_args_for(config)
+    attention = plan_attention(config, dims, device_type)
+    model_args = dataclasses.replace(model_args_for(config), attention=attention.kernel)
     validate_parallelism(dims, model_args, config)
     check_initial_weights(config, model_args)
     check_profiling(config, world_size, device_type)
@@ -217,15 +203,34 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     loss = LossPlan(parallel=loss_parallel, compiled_with_model=compile_mode == "whole_with_loss",
                     chunks=choose_loss_chunks(config, compile_mode, reasons))
     if compile_plan.enabled:
-        fingerprint, parts = compile_fingerprint(config, model_args, parallel, loss, pipeline, accumulation, float8)
+        fingerprint, parts = compile_fingerprint(config, model_args, parallel, loss, pipeline, accumulation, float8,
+                                                 attention)
         parallel = dataclasses.replace(parallel, compile=dataclasses.replace(compile_plan, fingerprint=fingerprint,
                                                                              fingerprint_parts=parts))
     data = dataclasses.replace(data, global_rows=config.training.local_batch_size * data.ranks * accumulation)
     return RunPlan(
         config=config, dims=dims, device_type=device_type, model_args=model_args, pipeline=pipeline,
         accumulation_steps=accumulation, precision=precision, gather_mode=gather, parallel=parallel, loss=loss,
-        data=data, validation=plan_validation(config, dims, pipeline), float8=float8, reasons=reasons,
+        data=data, validation=plan_validation(config, dims, pipeline), float8=float8, attention=attention,
+        reasons=reasons,
     )
+
+
+def plan_attention(config: JobConfig, dims: ParallelDims, device_type: str) -> AttentionPlan:
+    """``[model] attention`` and ``attention_mask`` (``models/attention.py``), and what context parallel needs of
+    them; block-causal finds documents by the tokenizer's EOS, which a dry run does not read (it prices the mask
+    as causal)."""
+    model, eos_id = config.model, None
+    check_attention_kernel(model.attention, device_type, dims.cp)
+    if dims.cp > 1 and config.parallelism.fsdp_implementation != "simple":
+        raise ConfigError(f"[parallelism] context_parallel_degree = {dims.cp} needs fsdp_implementation = 'simple': "
+                          "SimpleFSDP shards the weights over dp_shard x cp and sums their gradients; use it.")
+    try:
+        if model.attention_mask == "block_causal" and not config.dry_run.enable:
+            eos_id = Tokenizer(resolve_project_path(model.tokenizer_path)).eos_id
+    except ConfigError as error:
+        raise ConfigError(f"[model] attention_mask = 'block_causal' needs the tokenizer's EOS: {error}") from None
+    return AttentionPlan(kernel=model.attention, mask=model.attention_mask, eos_id=eos_id)
 
 
 def _data_order(config: JobConfig, dims: ParallelDims) -> DataOrder:
@@ -251,7 +256,7 @@ def _compile_plan(config: JobConfig, dims: ParallelDims, compile_mode: str, gath
         # them per microbatch (gathering once per step holds every weight already), the regions are one model
         # (a pipeline stage's last region has no next one on its rank) and the collectives are reordered
         # (without, the hand-off would hold weights and hide nothing).
-        region_handoff=(compile_mode == "regional" and dims.dp_enabled and dims.pp == 1 and gather == "per_microbatch"
+        region_handoff=(compile_mode == "regional" and dims.fsdp_enabled and dims.pp == 1 and gather == "per_microbatch"
                         and (compile_config.reorder or compile_config.bucketing == "auto")),
         async_tensor_parallel=async_tp,
         cache_dir=compile_cache_folder(config),
@@ -265,12 +270,9 @@ def _compile_plan(config: JobConfig, dims: ParallelDims, compile_mode: str, gath
 
 
 def check_profiling(config: JobConfig, world_size: int, device_type: str) -> None:
-    """A CPU memory timeline (``trainer/profiling.py``) needs a single process. torch 2.13 builds it from the
-    profiler's allocation events, but gloo's worker threads free the tensors a collective holds (its inputs, the
-    copies it makes) outside the profiler's view; a later allocation at the same address then reads as the same
-    tensor and ``export_memory_timeline`` fails ("version mismatch", "duplicate outputs"). Measured on the debug
-    model, 2 ranks: 15-27 such frees per recorded step, every export failed. CUDA snapshots come from the
-    allocator and work on any layout."""
+    """A CPU memory timeline (``trainer/profiling.py``) needs a single process: gloo's threads free what a
+    collective holds outside the profiler's view, and torch 2.13's ``export_memory_timeline`` then fails (2 ranks of
+    the debug model: 15-27 such frees per step, every export failed). CUDA snapshots work on any layout."""
     if config.profiling.enable_memory_snapshot and device_type == "cpu" and world_size > 1:
         raise ConfigError(
             f"[profiling] enable_memory_snapshot on CPU needs one process, not {world_size}: torch 2.13's CPU "
@@ -310,7 +312,7 @@ def choose_precision(config: JobConfig, dims: ParallelDims, device_type: str,
             reasons["dtype"] = why
     else:
         param_dtype = DTYPES[name]
-    autocast = param_dtype if not dims.dp_enabled and param_dtype != torch.float32 else None
+    autocast = param_dtype if not dims.fsdp_enabled and param_dtype != torch.float32 else None
     return Precision(param_dtype=param_dtype, reduce_dtype=DTYPES[training.mixed_precision_reduce],
                      autocast_dtype=autocast)
 
@@ -323,7 +325,7 @@ def choose_gather_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str,
     that cannot gather once per step."""
     parallelism = config.parallelism
     choice = parallelism.fsdp_gather
-    if not dims.dp_enabled or parallelism.fsdp_implementation != "simple":
+    if not dims.fsdp_enabled or parallelism.fsdp_implementation != "simple":
         if choice == "once_per_step":
             raise ConfigError(
                 "[parallelism] fsdp_gather = 'once_per_step' needs SimpleFSDP with data parallel "
@@ -471,10 +473,11 @@ def plan_validation(config: JobConfig, dims: ParallelDims, pipeline: PipelinePla
         return None
     local_batch = training.local_batch_size if validation.local_batch_size == -1 else validation.local_batch_size
     seq_len = training.seq_len if validation.seq_len == -1 else validation.seq_len
-    if seq_len % dims.tp:
+    split = dims.tp * (2 * dims.cp if dims.cp > 1 else 1)
+    if seq_len % split:
         raise ConfigError(
-            f"[validation] seq_len = {seq_len} is not a multiple of [parallelism] tensor_parallel_degree "
-            f"= {dims.tp}; sequence parallel splits every sequence evenly."
+            f"[validation] seq_len = {seq_len} is not a multiple of {split} ([parallelism] tensor_parallel_degree "
+            f"{'x 2 x context_parallel_degree ' if dims.cp > 1 else ''}= {split}); every sequence is split evenly."
         )
     if pipeline is not None and local_batch % pipeline.n_microbatches:
         raise ConfigError(

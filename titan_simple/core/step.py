@@ -116,7 +116,11 @@ class TrainStep:
             gather.gather(microbatches=len(batches) * (pipeline.n_microbatches if pipeline is not None else 1))
         try:
             for inputs, labels in batches:
-                batch_loss = self._forward_backward(inputs.to(self.device), labels.to(self.device), loss_scale)
+                inputs, labels = inputs.to(self.device), labels.to(self.device)
+                model_kwargs = self.plan.attention.model_kwargs(inputs)  # {} for causal attention
+                if self.parts.context_parallel is not None:  # this rank's share of each row
+                    inputs, labels, model_kwargs = self.parts.context_parallel.shard(inputs, labels, model_kwargs)
+                batch_loss = self._forward_backward(inputs, labels, loss_scale, model_kwargs)
                 if batch_loss is not None:
                     loss_sum += batch_loss
         except BaseException:
@@ -126,7 +130,10 @@ class TrainStep:
         if gather is not None:
             self.hooks.phase("reduce")
             gather.reduce()
-        return self._combine_loss(loss_sum), global_tokens
+        loss_sum = self._combine_loss(loss_sum)
+        if self.parts.context_parallel is not None:  # every cp rank: its data-parallel slice's loss
+            loss_sum = self.parts.context_parallel.sum_over_ranks(loss_sum)
+        return loss_sum, global_tokens
 
     def compiled_modules(self) -> list[torch.nn.Module]:
         """The modules whose compiled graphs run in this step (where the comm plan recorders look)."""
@@ -164,8 +171,8 @@ class TrainStep:
         return result
 
     # -- what a layout supplies
-    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float
-                          ) -> torch.Tensor | None:
+    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float,
+                          model_kwargs: dict[str, torch.Tensor]) -> torch.Tensor | None:
         raise NotImplementedError
 
     def _combine_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
@@ -180,23 +187,24 @@ class LocalStep(TrainStep):
     the model (``plan.loss.compiled_with_model``), the build gives the model and its loss as one module
     (``parts.model_with_loss``) and the step runs that."""
 
-    def _forward_backward(self, inputs, labels, loss_scale):
+    def _forward_backward(self, inputs, labels, loss_scale, model_kwargs):
         self.hooks.phase("forward")
         model_with_loss = self.parts.model_with_loss
         if model_with_loss is None:
-            loss_sum = self._eager_loss(inputs, labels)
+            loss_sum = self._eager_loss(inputs, labels, model_kwargs)
         else:  # never with loss parallel (plan.choose_compile_mode)
-            loss_sum = model_with_loss(inputs, labels)
+            loss_sum = model_with_loss(inputs, labels, **model_kwargs)
         with loss_parallel_context(self.plan.loss.parallel):
             self.hooks.phase("backward")
             (loss_sum * loss_scale).backward()
         return loss_sum.detach()
 
-    def _eager_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def _eager_loss(self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict[str, torch.Tensor]
+                    ) -> torch.Tensor:
         """Forward and loss; the output (the [tokens, vocab] logits) is not referenced after this returns, so
         it lives only as long as the loss keeps it for backward (the chunked loss keeps none of it)."""
         with self.autocast():
-            output = self.parts.modules[0](inputs)
+            output = self.parts.modules[0](inputs, **model_kwargs)
         with loss_parallel_context(self.plan.loss.parallel):
             return self.plan.loss.sum(output, labels)
 
@@ -206,10 +214,10 @@ class PipelineStep(TrainStep):
     the training loss (``core/loss.py``, given to it by the build) on the last stage; only that stage's rank
     sees the loss, the others receive it afterwards."""
 
-    def _forward_backward(self, inputs, labels, loss_scale):
+    def _forward_backward(self, inputs, labels, loss_scale, model_kwargs):
         self.hooks.phase("forward")
         with self.autocast(), loss_parallel_context(self.plan.loss.parallel):
-            return self.parts.pipeline.step(inputs, labels, loss_scale)
+            return self.parts.pipeline.step(inputs, labels, loss_scale, model_kwargs)
 
     def _combine_loss(self, loss_sum):
         return self.parts.pipeline.sum_over_stages(loss_sum)

@@ -47,6 +47,7 @@ from titan_simple.dry_run.hardware import DeviceSpec
 from titan_simple.dry_run.rank_step import RankTrace
 from titan_simple.dry_run.tracer import Collective, OpCost
 from titan_simple.models.llama3 import count_parameters, flops_per_token
+from titan_simple.parallel.context_parallel import context_parallel_mesh
 from titan_simple.parallel.dims import MESH_DIM_ORDER, ParallelDims
 from titan_simple.parallel.pipeline import PipelinePlan
 
@@ -56,7 +57,7 @@ COMPILED_ELEMENTWISE_FRACTION = 0.5
 # How many traced ops apart a TP collective and its matmul may be for async TP to fuse them (the ops between
 # are data movement: the sequence-parallel gather's reordering, a contiguous copy before a reduce-scatter).
 FUSE_WINDOW = 3
-DATA_PARALLEL_DIMS = ("dp_shard", "dp_replicate", "dp")
+DATA_PARALLEL_DIMS = ("dp_shard", "dp_replicate", "dp", "dp_shard_cp")
 # Traced phases whose collectives run once per step, not once per microbatch pass.
 ONCE_PER_STEP_PHASES = ("optimizer", "gather", "reduce")
 
@@ -83,8 +84,11 @@ def mesh_dims(dims: ParallelDims, gpus_per_node: int) -> dict[str, MeshDim]:
             out[name] = MeshDim(name, enabled[name], stride * enabled[name] <= gpus_per_node)
             stride *= enabled[name]
     if "dp_replicate" in enabled and "dp_shard" in enabled:
-        span = dims.dp * enabled.get("tp", 1)
+        span = dims.dp * dims.cp * enabled.get("tp", 1)
         out["dp"] = MeshDim("dp", dims.dp, span <= gpus_per_node)
+    if dims.shard_names == ("dp_shard_cp",):  # adjacent dimensions: one block of consecutive ranks per group
+        span = dims.shard_degree * enabled.get("tp", 1)
+        out["dp_shard_cp"] = MeshDim("dp_shard_cp", dims.shard_degree, span <= gpus_per_node)
     return out
 
 
@@ -95,8 +99,12 @@ def group_names(mesh: DeviceMesh | None, dims: ParallelDims) -> dict[str, str]:
         return names
     for name in dims.enabled_dims:
         names[mesh.get_group(name).group_name] = name
+    if dims.cp > 1:  # the keys' and values' gathers may have a group of their own
+        names[context_parallel_mesh(mesh).get_group().group_name] = "cp"
     if "dp_replicate" in dims.enabled_dims and "dp_shard" in dims.enabled_dims:
         names[mesh["dp"].get_group().group_name] = "dp"
+    if dims.shard_names == ("dp_shard_cp",):
+        names[mesh["dp_shard_cp"].get_group().group_name] = "dp_shard_cp"
     return names
 
 
@@ -295,7 +303,7 @@ def measure_trace(run: RunPlan, trace: RankTrace, spec: DeviceSpec, dim_of_group
     """The sums and maxima of ``trace`` that the report is built from (``Measured``)."""
     dims, plan = run.dims, run.pipeline
     mdims = mesh_dims(dims, spec.gpus_per_node)
-    world = dims.dp * dims.tp * dims.pp
+    world = dims.dp * dims.cp * dims.tp * dims.pp
     compiled = run.compile.enabled
     seconds_of = functools.partial(op_seconds, spec=spec, compiled=compiled)
     step_ops = [op for op in trace.ops if op.phase != "optimizer"]
@@ -433,7 +441,7 @@ def finish_report(run: RunPlan, pp_rank: int, rank: int, m: Measured, spec: Devi
     config, dims, plan = run.config, run.dims, run.pipeline
     training = config.training
     args = run.model_args
-    world = dims.dp * dims.tp * dims.pp
+    world = dims.dp * dims.cp * dims.tp * dims.pp
     accumulation = run.accumulation_steps
     passes = (plan.n_microbatches if plan is not None else 1) * accumulation  # traced microbatch -> per step
     chunks = in_flight_chunks(plan, pp_rank)

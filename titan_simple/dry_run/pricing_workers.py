@@ -36,7 +36,7 @@ def start_worker(base: JobConfig, world_size: int, device_type: str, spec: Devic
 
 
 def _mesh(run):
-    key = (run.dims.dp_replicate, run.dims.dp_shard, run.dims.tp, run.dims.pp)
+    key = (run.dims.dp_replicate, run.dims.dp_shard, run.dims.cp, run.dims.tp, run.dims.pp)
     meshes = _WORLD["meshes"]
     if key not in meshes:
         meshes[key] = run.dims.build_mesh("cpu")

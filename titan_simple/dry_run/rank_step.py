@@ -88,19 +88,23 @@ def _trace_part(part: nn.Module, stage: int | None, run: RunPlan, tracer: StepTr
     first = plan is None or stage == 0
     last = plan is None or stage == plan.num_stages - 1
     meta = torch.device("meta")
+    tokens = torch.zeros(batch, training.seq_len, dtype=torch.long, device=meta)
+    labels = torch.zeros(batch, training.seq_len, dtype=torch.long, device=meta)
+    kwargs: dict[str, torch.Tensor] = {}
+    if train_step.parts.context_parallel is not None:  # this rank's share of the sequence, as the step takes it
+        tokens, labels, kwargs = train_step.parts.context_parallel.shard(tokens, labels, kwargs)
     if first:
-        inputs: torch.Tensor = torch.zeros(batch, training.seq_len, dtype=torch.long, device=meta)
+        inputs: torch.Tensor = tokens
     else:  # the previous stage's output: the residual stream, sequence-sharded under tensor parallel
         dim = part.args.dim
-        local_seq = training.seq_len // dims.tp if dims.tp > 1 else training.seq_len
+        local_seq = tokens.shape[1] // dims.tp
         local = torch.empty(batch, local_seq, dim, dtype=compute_dtype, device=meta, requires_grad=True)
         inputs = DTensor.from_local(local, mesh["tp"], [Shard(1)], run_check=False) if dims.tp > 1 else local
-    labels = torch.zeros(batch, training.seq_len, dtype=torch.long, device=meta)
 
     tracer.set_phase("forward")
     before = tracer.live
     with fused_attention():  # no autocast: it keys on the tensors' device and does nothing to meta tensors
-        out = part(inputs)
+        out = part(inputs, **kwargs)
         if last:
             with loss_parallel_context(loss_parallel):
                 loss = train_step.loss(out, labels, 1 / (batch * training.seq_len))  # the trainer's loss, exactly
@@ -176,7 +180,7 @@ def _handoff_held_bytes(part: nn.Module, run: RunPlan) -> int:
     for module in (m for received in forward.receivers for m in received):
         for param in module.parameters():
             local = param.to_local() if isinstance(param, DTensor) else param
-            held += local.numel() * run.dims.dp_shard * itemsize
+            held += local.numel() * run.dims.shard_degree * itemsize
     return held
 
 

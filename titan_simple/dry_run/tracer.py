@@ -220,15 +220,21 @@ def _cast_bytes(func, args, out) -> int | None:
 @contextlib.contextmanager
 def fused_attention() -> Iterator[None]:
     """Inside, the Llama 3 attention runs the fused flash kernel (see the module docstring)."""
-    original = llama3._grouped_query_attention
+    original, original_mask = llama3._grouped_query_attention, llama3.attention_mask
 
     def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None):
         if mask is not None:  # decoding with a KV cache: not a training step, keep the model's own path
             return original(q, k, v, mask)
         return _ATTENTION_FORWARD(q, k, v, dropout_p=0.0, is_causal=True)[0]
 
-    llama3._grouped_query_attention = flash_attention
+    def no_mask(*args, **kwargs) -> None:
+        # Priced as causal: block-causal skips more (an upper bound), and context parallel's queries against the
+        # gathered keys do half of their [seq / cp, seq] pairs under head-tail balance, as a causal square of the
+        # same area does. FlexAttention's block mask is a few MiB, not a dense tensor to count.
+        return None
+
+    llama3._grouped_query_attention, llama3.attention_mask = flash_attention, no_mask
     try:
         yield
     finally:
-        llama3._grouped_query_attention = original
+        llama3._grouped_query_attention, llama3.attention_mask = original, original_mask

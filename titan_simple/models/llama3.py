@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_simple.errors import ConfigError
+from titan_simple.models.attention import Mask, attention_mask, flex, is_block_mask
 from titan_simple.models.rope import LLAMA31_ROPE, LLAMA32_ROPE, RopeScaling, apply_rotary_emb, precompute_freqs_cis
 
 # Standard deviation of the input projections (and the base of the depth-scaled output projections).
@@ -55,6 +56,7 @@ class ModelArgs:
     ffn_hidden_size: int | None = None  # the SwiGLU width as given (a Hugging Face config); None: from the rule
     max_seq_len: int = 8192  # length of the precomputed RoPE table, i.e. the longest sequence the model takes
     depth_init: bool = True  # output projections of deeper layers start smaller (see TransformerBlock)
+    attention: str = "sdpa"  # the attention kernel, sdpa or flex (models/attention.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # as dataclasses.asdict wrote it (a checkpoint's complete.json)
@@ -131,17 +133,20 @@ def _trunc_normal_(weight: torch.Tensor, std: float) -> None:
 
 
 def _grouped_query_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | None = None
 ) -> torch.Tensor:
     """Causal attention over ``[batch, heads, seq, head_dim]``; ``k``/``v`` may have fewer heads than ``q``.
 
-    ``mask`` (boolean, ``[q_seq, k_seq]``, True = may attend) replaces the square causal mask when the keys
-    include earlier positions than the queries (decoding with a :class:`KVCache`).
+    ``mask`` (boolean, True = may attend, broadcastable to ``[batch, 1, q_seq, k_seq]``) replaces the causal
+    mask: block-causal masks (``models/attention.py``) and decoding with a :class:`KVCache`, whose keys include
+    earlier positions than the queries. A FlexAttention ``BlockMask`` runs FlexAttention instead of SDPA.
 
     SDPA's ``enable_gqa`` avoids materializing the repeated KV heads, but on CUDA only the flash kernel
     (fp16/bf16) supports it; elsewhere it would fall back to the memory-hungry math kernel. So fp32 on CUDA
     repeats the KV heads explicitly and keeps the memory-efficient kernel available.
     """
+    if is_block_mask(mask):
+        return flex(q, k, v, mask)
     causal = {"is_causal": True} if mask is None else {"attn_mask": mask}
     n_rep = q.shape[1] // k.shape[1]
     if n_rep == 1:
@@ -194,9 +199,13 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # Context parallel (parallel/context_parallel.py) sets it: keys and values of every rank's share of the
+        # sequence, gathered along dim 1.
+        self.gather_sequence: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
-        self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: KVCache | None = None, layer: str = ""
+        self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: Mask | None = None,
+        cache: KVCache | None = None, layer: str = "",
     ) -> torch.Tensor:
         batch, seq_len, _ = x.shape
         # -1 rather than n_heads: under tensor parallel each projection holds only this rank's heads.
@@ -204,9 +213,11 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
+        if self.gather_sequence is not None:  # this rank's queries attend to the whole sequence's keys
+            k, v = self.gather_sequence(k), self.gather_sequence(v)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # SDPA wants [batch, heads, seq, head_dim]
         if cache is None:
-            out = _grouped_query_attention(q, k, v)
+            out = _grouped_query_attention(q, k, v, mask)
         else:  # attend to the cached positions too
             mask = cache.mask(seq_len, x.device)
             k, v = cache.update(layer, k, v)
@@ -260,14 +271,15 @@ class TransformerBlock(nn.Module):
         depth = layer_id + 1 if args.depth_init else args.n_layers
         self.out_init_std = INIT_STD / math.sqrt(2 * depth)
 
-    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        # Training passes exactly (x, freqs_cis): tensor parallel's PrepareModuleInput on `attention` expects two
-        # inputs and raises "module inputs and input_layouts should have same length" on four.
+    def forward(self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: Mask | None = None,
+                cache: KVCache | None = None) -> torch.Tensor:
+        # Training passes exactly (x, freqs_cis, mask): tensor parallel's PrepareModuleInput on `attention` expects
+        # three inputs and raises "module inputs and input_layouts should have same length" on five.
         normed = self.attention_norm(x)
         if cache is None:
-            h = x + self.attention(normed, freqs_cis)
+            h = x + self.attention(normed, freqs_cis, mask)
         else:
-            h = x + self.attention(normed, freqs_cis, cache, str(self.layer_id))
+            h = x + self.attention(normed, freqs_cis, None, cache, str(self.layer_id))
         return h + self.feed_forward(self.ffn_norm(h))
 
     def init_weights(self) -> None:
@@ -302,7 +314,7 @@ class Transformer(nn.Module):
         # grouped into compiled regions, the first preceded by the embedding and the last followed by the norm
         # and output where this model (stage) has them (compile/regions.py, regional compilation). A plain
         # object, outside the module tree.
-        self.block_regions: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self.block_regions: Callable[..., torch.Tensor] | None = None
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
@@ -343,22 +355,31 @@ class Transformer(nn.Module):
             std = self.args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, document_ids: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``document_ids`` ``[B, T]`` (``models/attention.document_ids``): block-causal attention instead of
+        causal. ``positions`` ``[B, T]``: where the tokens are in their rows (RoPE and the mask), when not
+        ``0..T-1``. ``key_positions`` ``[B, T_keys]``: the positions of the keys the attention gathers (context
+        parallel, ``parallel/context_parallel.py``; then ``document_ids`` are of the whole rows)."""
         start = 0 if cache is None else cache.position
         end = start + tokens.shape[1]  # tokens [batch, seq], or a pipeline stage's input [batch, seq, dim]
         if end > self.freqs_cis.shape[0]:
             raise ValueError(f"sequence length {end} exceeds max_seq_len {self.freqs_cis.shape[0]}")
         if cache is not None and end > cache.max_len:
             raise ValueError(f"sequence length {end} exceeds the KV cache's max_len {cache.max_len}")
-        freqs_cis = self.freqs_cis[start:end]
+        if positions is None:
+            freqs_cis = self.freqs_cis[start:end]
+        else:  # every row holds the same positions
+            freqs_cis = torch.view_as_real(self.freqs_cis)[positions[0]]
+        mask = attention_mask(self.args.attention, document_ids, positions, key_positions)
         if cache is None and self.block_regions is not None:
             # Regional compilation (compile/regions.py): the regions run the embedding, the blocks, the final
             # norm and the output projection.
-            return self.block_regions(tokens, freqs_cis)
+            return self.block_regions(tokens, freqs_cis, mask)
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
-            # Training calls layer(h, freqs_cis) exactly as before; the cache is only passed when there is one.
-            h = layer(h, freqs_cis) if cache is None else layer(h, freqs_cis, cache)
+            # Training calls layer(h, freqs_cis, mask); the cache is only passed when there is one.
+            h = layer(h, freqs_cis, mask) if cache is None else layer(h, freqs_cis, cache=cache)
         if cache is not None:
             cache.position = end
         if self.norm is not None:

@@ -73,7 +73,9 @@ def apply_rotary_emb(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     pairing of Meta's Llama checkpoints. The complex product is written out in real arithmetic because
     Inductor generates no code for complex operators; it runs in fp32 and the result is cast back.
     """
-    cos_sin = torch.view_as_real(freqs_cis).view(1, x.shape[1], 1, -1, 2)
+    # freqs_cis may also be given as its real view [seq, head_dim // 2, 2] (rows picked by position: Inductor
+    # cannot index a complex tensor)
+    cos_sin = (torch.view_as_real(freqs_cis) if freqs_cis.is_complex() else freqs_cis).view(1, x.shape[1], 1, -1, 2)
     cos, sin = cos_sin[..., 0], cos_sin[..., 1]
     pairs = x.float().reshape(*x.shape[:-1], -1, 2)
     real, imag = pairs[..., 0], pairs[..., 1]

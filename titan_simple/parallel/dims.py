@@ -17,8 +17,9 @@ from titan_simple.parallel.torch_private import flatten_mesh
 if TYPE_CHECKING:
     from titan_simple.config import JobConfig
 
-# Outermost to innermost: pipeline stages talk least, tensor-parallel ranks most (keep them on one node).
-MESH_DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+# Outermost to innermost: pipeline stages talk least, tensor-parallel ranks most (keep them on one node); context
+# parallel's per-layer key / value gathers sit between.
+MESH_DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -28,24 +29,25 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    cp: int = 1  # context parallel: ranks of one data-parallel group that split each sequence
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "tp", "pp"):
+        for name in ("dp_replicate", "tp", "pp", "cp"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"[parallelism] {name} degree must be >= 1, got {getattr(self, name)}.")
-        others = self.dp_replicate * self.tp * self.pp
+        others = self.dp_replicate * self.cp * self.tp * self.pp
         if self.dp_shard == -1:
             if self.world_size % others:
                 raise ConfigError(
-                    f"[parallelism] data_parallel_replicate_degree x tensor_parallel_degree x "
-                    f"pipeline_parallel_degree = {others} does not divide the world size {self.world_size}; "
+                    f"[parallelism] data_parallel_replicate_degree x context_parallel_degree x tensor_parallel_degree "
+                    f"x pipeline_parallel_degree = {others} does not divide the world size {self.world_size}; "
                     f"launch a multiple of {others} processes or lower the degrees."
                 )
             object.__setattr__(self, "dp_shard", self.world_size // others)
-        if self.dp_shard < 1 or self.dp_replicate * self.dp_shard * self.tp * self.pp != self.world_size:
+        if self.dp_shard < 1 or self.dp_shard * others != self.world_size:
             raise ConfigError(
-                f"[parallelism] degrees dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x "
-                f"tp={self.tp} x pp={self.pp} = {self.dp_replicate * self.dp_shard * self.tp * self.pp} "
+                f"[parallelism] degrees dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x cp={self.cp} x "
+                f"tp={self.tp} x pp={self.pp} = {self.dp_shard * others} "
                 f"but the world size is {self.world_size}; make the product equal the number of processes "
                 f"(data_parallel_shard_degree = -1 fills in the rest)."
             )
@@ -57,10 +59,12 @@ class ParallelDims:
         parallelism = config.parallelism
         return cls(dp_replicate=parallelism.data_parallel_replicate_degree,
                    dp_shard=parallelism.data_parallel_shard_degree, tp=parallelism.tensor_parallel_degree,
-                   pp=parallelism.pipeline_parallel_degree, world_size=world_size)
+                   pp=parallelism.pipeline_parallel_degree, world_size=world_size,
+                   cp=parallelism.context_parallel_degree)
 
     @property
     def dp(self) -> int:
+        """Data-parallel ranks: each reads its own rows of the batch."""
         return self.dp_replicate * self.dp_shard
 
     @property
@@ -68,15 +72,36 @@ class ParallelDims:
         return self.dp > 1
 
     @property
+    def fsdp_enabled(self) -> bool:
+        """The data-parallel wrapper applies: data parallel, or context parallel (whose ranks hold the same
+        weights and compute gradients of different tokens, so they shard the weights too)."""
+        return self.dp * self.cp > 1
+
+    @property
     def enabled_dims(self) -> dict[str, int]:
         """Mesh dimensions with degree > 1, in mesh order."""
-        sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp}
+        sizes = {"pp": self.pp, "dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "cp": self.cp,
+                 "tp": self.tp}
         return {name: sizes[name] for name in MESH_DIM_ORDER if sizes[name] > 1}
+
+    @property
+    def shard_degree(self) -> int:
+        """How many ways SimpleFSDP shards each weight: dp_shard x cp."""
+        return self.dp_shard * self.cp
+
+    @property
+    def shard_names(self) -> tuple[str, ...]:
+        """The mesh dimensions SimpleFSDP shards over: ``dp_shard``; with context parallel ``dp_shard_cp``, dp_shard
+        and cp flattened (cp alone too: a group of its own, so the weights' collectives and the attention's
+        key / value gathers stay apart in the comm plan and the dry run), or none."""
+        if self.cp > 1:
+            return ("dp_shard_cp",)
+        return ("dp_shard",) if self.dp_shard > 1 else ()
 
     @property
     def data_parallel_mode(self) -> str:
         """SimpleFSDP mode implied by the degrees."""
-        if self.dp_replicate > 1 and self.dp_shard > 1:
+        if self.dp_replicate > 1 and self.dp_shard * self.cp > 1:
             return "hybrid_shard"
         if self.dp_replicate > 1:
             return "replicate"
@@ -92,6 +117,8 @@ class ParallelDims:
         dp_names = tuple(name for name in ("dp_replicate", "dp_shard") if name in dims)
         if len(dp_names) == 2:
             flatten_mesh(mesh[dp_names], "dp")
+        if self.shard_names == ("dp_shard_cp",):
+            flatten_mesh(mesh[tuple(name for name in ("dp_shard", "cp") if name in dims)], "dp_shard_cp")
         return mesh
 
     def process_groups(self, mesh: DeviceMesh | None) -> list[ProcessGroup]:
@@ -102,6 +129,8 @@ class ParallelDims:
         names = list(self.enabled_dims)
         if "dp_replicate" in names and "dp_shard" in names:
             names.append("dp")
+        if self.shard_names == ("dp_shard_cp",):
+            names.append("dp_shard_cp")
         groups = [mesh[name].get_group() for name in names]
         return list({id(group): group for group in groups}.values())
 
@@ -115,8 +144,17 @@ def validate_parallelism(dims: ParallelDims, model_args: ModelArgs, config: JobC
     """Checks of the degrees against the model and the sequence length; no process group needed, so call it
     before creating one. Tensor parallel splits the attention heads (query and KV), the SwiGLU width and the
     vocabulary (embedding rows, output columns, loss-parallel logits) evenly, and sequence parallel splits
-    every sequence; ``dim = n_heads x head_dim`` then divides too."""
-    tp = dims.tp
+    every sequence; ``dim = n_heads x head_dim`` then divides too. Context parallel cuts every sequence into
+    ``2 x cp`` equal chunks, and sequence parallel splits each rank's share again."""
+    tp, cp, seq_len = dims.tp, dims.cp, config.training.seq_len
+    if cp > 1 and seq_len % (2 * cp * tp):
+        step = 2 * cp * tp
+        raise ConfigError(
+            f"[training] seq_len = {seq_len} is not a multiple of 2 x context_parallel_degree"
+            f"{' x tensor_parallel_degree' if tp > 1 else ''} = {step}; context parallel cuts every sequence into "
+            f"2 x {cp} equal chunks (head-tail balance){', which sequence parallel splits again' if tp > 1 else ''}, "
+            f"so use e.g. {seq_len - seq_len % step + step}."
+        )
     if tp == 1:
         return
     flavor = config.model.flavor
@@ -134,7 +172,6 @@ def validate_parallelism(dims: ParallelDims, model_args: ModelArgs, config: JobC
                 f"[parallelism] tensor_parallel_degree = {tp} does not divide {what} = {size} of [model] "
                 f"flavor '{flavor}'; tensor parallel splits it evenly, so use one of {fitting}."
             )
-    seq_len = config.training.seq_len
     if seq_len % tp:
         raise ConfigError(
             f"[training] seq_len = {seq_len} is not a multiple of [parallelism] tensor_parallel_degree = {tp}; "
@@ -158,10 +195,11 @@ _TENSOR_PARALLEL_MESHES: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}
 
 
 def dp_mesh(mesh: DeviceMesh | None, dims: ParallelDims) -> DeviceMesh | None:
-    """The data-parallel sub-mesh SimpleFSDP shards over: (dp_replicate, dp_shard), one of them, or None."""
+    """The sub-mesh SimpleFSDP works over: (dp_replicate, the shard dims) for HSDP, one of them, or None. The shard
+    dims are dp_shard and cp (``ParallelDims.shard_names``)."""
     if mesh is None:
         return None
-    names = tuple(name for name in ("dp_replicate", "dp_shard") if name in dims.enabled_dims)
+    names = (("dp_replicate",) if dims.dp_replicate > 1 else ()) + dims.shard_names
     if not names:
         return None
     return mesh[names]

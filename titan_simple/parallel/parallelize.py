@@ -1,6 +1,7 @@
 """The recipe: how a Llama 3 model becomes a parallel one, in the order it happens.
 
-    tensor parallel -> activation checkpointing -> data parallel (SimpleFSDP or FSDP2) -> torch.compile
+    tensor parallel -> context parallel -> activation checkpointing -> data parallel (SimpleFSDP or FSDP2)
+    -> torch.compile
 
 Tensor parallel goes first, on the meta model: the data-parallel wrappers then shard its DTensor parameters
 further over the dp mesh (the joint (dp, tp) mesh). Pipeline parallel slots in around these steps.
@@ -17,6 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from titan_simple.parallel.activation_checkpoint import apply_activation_checkpointing
+from titan_simple.parallel.context_parallel import apply_context_parallel, context_parallel_mesh
 from titan_simple.parallel.dims import ParallelDims, dp_mesh, tensor_parallel_mesh
 from titan_simple.parallel.float8_gather import enable_float8_all_gather
 from titan_simple.parallel.fsdp2 import apply_fsdp2
@@ -72,8 +74,10 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh | None, plan: ParallelP
         if plan.compile.async_tensor_parallel:
             # Inductor fuses a TP collective with its matmul only on groups with symmetric memory enabled.
             enable_symmetric_memory(tensor_parallel_mesh(mesh).get_group().group_name)
-        if not dims.dp_enabled:
+        if not dims.fsdp_enabled:
             keep_gradient_layouts(model)  # the data-parallel wrappers would otherwise do it
+    if dims.cp > 1:  # before activation checkpointing wraps the blocks
+        apply_context_parallel(model, context_parallel_mesh(mesh))
 
     if plan.ac_mode != "none":
         tp_groups = [tensor_parallel_mesh(mesh).get_group().group_name] if dims.tp > 1 else []
@@ -84,7 +88,7 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh | None, plan: ParallelP
         for block in model.layers.values():
             plan.compile.compile_block(block)
 
-    if dims.dp_enabled:
+    if dims.fsdp_enabled:
         if plan.fsdp_implementation == "simple":
             data_parallel(
                 model,

@@ -264,18 +264,22 @@ class PipelineRun:
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(logits, labels, self._loss_scale)
 
-    def step(self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float) -> torch.Tensor | None:
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float,
+             model_kwargs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """``model_kwargs`` (block-causal attention's document ids, ``[batch, seq]``) go to every stage, split into
+        microbatches along the batch dim like the inputs."""
         self._loss_scale = loss_scale
         args = (inputs,) if self.has_first_stage else ()
         target = labels if self.has_last_stage else None
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         with self._compile_settings():
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **(model_kwargs or {}))
         if losses is None:
             return None
         return torch.stack([loss.detach() for loss in losses]).sum() / loss_scale
 
-    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+    def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor,
+                 model_kwargs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Forward only (the schedule's ``eval``): the summed loss of one local batch on the rank that holds
         the last stage, ``None`` elsewhere. Every pp rank calls it with the same batch, under ``no_grad``.
 
@@ -287,7 +291,7 @@ class PipelineRun:
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         with self._compile_settings():
             self.schedule.eval(*args, target=labels if self.has_last_stage else None, losses=losses,
-                               return_outputs=False)
+                               return_outputs=False, **(model_kwargs or {}))
         return None if losses is None else torch.stack(losses).sum()
 
     def sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:

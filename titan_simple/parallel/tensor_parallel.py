@@ -58,8 +58,10 @@ def block_plan(block: nn.Module | None = None, float8: bool = False) -> dict[str
     gather moves half the bytes) and the linears' output gradients before theirs."""
     plan = {
         "attention_norm": SequenceParallel(),
-        # (x, freqs_cis): gather the normalized tokens; the RoPE table passes through as a plain tensor.
-        "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+        # (x, freqs_cis, mask): gather the normalized tokens; the RoPE table and the attention mask (None: causal)
+        # pass through as they are (the mask's head dim is 1: it broadcasts over this rank's heads).
+        "attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                        desired_input_layouts=(Replicate(), None, None)),
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),

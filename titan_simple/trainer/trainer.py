@@ -148,7 +148,7 @@ class Trainer:
         self.memory = MemoryMonitor(self.device)
         self.validator = Validator(
             self.plan, tokenizer=self.tokenizer, dp_rank=self.dp_rank, dp_size=self.dp_size, device=self.device,
-            model=self.model, pipeline=self.pipeline,
+            model=self.model, pipeline=self.pipeline, context_parallel=self.parts.context_parallel,
         ) if self.plan.validation is not None else None
         self.profiler = Profiler(config.profiling, self.log_folder, rank=self.dist.rank, device=self.device)
         self.peak_flops = peak_flops_per_second(self.device)

@@ -31,6 +31,7 @@ from titan_simple.core.loss import cross_entropy_sum
 from titan_simple.core.plan import RunPlan
 from titan_simple.data import Tokenizer, build_dataloader
 from titan_simple.errors import ConfigError
+from titan_simple.parallel.context_parallel import ContextParallel
 from titan_simple.parallel.float8_gather import refresh_float8_weights
 from titan_simple.parallel.pipeline import PipelineRun
 from titan_simple.parallel.tensor_parallel import loss_parallel_context
@@ -54,6 +55,7 @@ class Validator:
         device: torch.device,
         model: nn.Module | None,
         pipeline: PipelineRun | None,
+        context_parallel: ContextParallel | None = None,
     ) -> None:
         validation = plan.config.validation
         if (model is None) == (pipeline is None):
@@ -69,6 +71,8 @@ class Validator:
         self.device = device
         self.loss_parallel = plan.loss.parallel
         self.autocast = plan.autocast
+        self.attention = plan.attention  # block-causal validates with the training's document mask
+        self.context_parallel = context_parallel  # this rank's share of each row, as in training
         # Not endless: with steps = -1 a validation reads the held-out documents once.
         try:
             self.dataloader = build_dataloader(
@@ -86,13 +90,14 @@ class Validator:
     def _model_parts(self) -> list[nn.Module]:
         return self.pipeline.model_parts if self.pipeline is not None else [self.model]
 
-    def _batch_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+    def _batch_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict[str, torch.Tensor]
+                        ) -> torch.Tensor | None:
         """Summed cross-entropy of one local batch; None on pipeline ranks without the last stage."""
         if self.pipeline is not None:
             with self.autocast(), loss_parallel_context(self.loss_parallel):
-                return self.pipeline.evaluate(inputs, labels)
+                return self.pipeline.evaluate(inputs, labels, kwargs)
         with self.autocast():
-            logits = self.model(inputs)
+            logits = self.model(inputs, **kwargs)
         with loss_parallel_context(self.loss_parallel):
             return cross_entropy_sum(logits, labels)
 
@@ -125,7 +130,10 @@ class Validator:
                 if not self._everyone_has_a_batch(batch is not None):
                     break
                 inputs, labels = (tensor.to(self.device) for tensor in batch)
-                batch_loss = self._batch_loss_sum(inputs, labels)
+                kwargs = self.attention.model_kwargs(inputs)
+                if self.context_parallel is not None:
+                    inputs, labels, kwargs = self.context_parallel.shard(inputs, labels, kwargs)
+                batch_loss = self._batch_loss_sum(inputs, labels, kwargs)
                 if batch_loss is not None:
                     loss_sum += batch_loss.detach().double()
                 tokens += labels.numel()

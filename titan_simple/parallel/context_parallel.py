@@ -1,0 +1,105 @@
+"""Context parallel: the ``cp`` ranks of a data-parallel group split every sequence between them.
+
+    context = ContextParallel(mesh["cp"])        # core/build.py, when [parallelism] context_parallel_degree > 1
+    apply_context_parallel(model, mesh["cp"])    # the recipe: each attention gathers keys and values over cp
+    inputs, labels, kwargs = context.shard(inputs, labels, kwargs)   # the step, per batch
+
+**Load balance (head-tail).** Under a causal mask the last tokens of a sequence attend to the most keys, so a
+rank holding one contiguous slice would do unequal work. The sequence is cut into ``2 x cp`` chunks and rank
+``r`` holds chunks ``r`` and ``2 cp - 1 - r`` (one early, one late): every rank gets the same number of
+query-key pairs. Inputs and labels are permuted the same way, so each rank's loss is a sum over its own tokens
+and the gradient is unchanged; ``positions`` tell RoPE and the mask where each held token really is.
+
+**Attention.** Each rank keeps its queries and all-gathers the keys and values of the whole sequence over the
+``cp`` dimension (``gather_sequence``: a DTensor ``Shard(1) -> Replicate`` redistribute, traced by the compiler
+like SimpleFSDP's gathers; its backward is the reduce-scatter that sums every rank's gradient of the gathered
+keys and values). The mask compares positions (``key_positions``: every rank's held positions in gather order),
+and for block-causal attention also the document ids of the whole row, so causal and block-causal both hold.
+The per-layer cost is one all-gather of ``T x kv_dim`` keys and values forward (again when activation
+checkpointing recomputes) and one reduce-scatter backward; activations and the loss's logits are ``1 / cp``.
+
+torch's own ``context_parallel`` is not used: its SDPA path dispatches only CUDA kernels and its FlexAttention
+path needs FlexAttention's backward, which torch 2.13 lacks on CPU (docs/research/issue47_long_context.md). This
+is the same algorithm (all-gather K/V, a rewritten mask) with no global state, on gloo and NCCL alike.
+
+**Weights.** Context-parallel ranks hold the same weights and compute gradients of different tokens, so
+SimpleFSDP shards over ``dp_shard x cp`` (``parallel/dims.py``): the gradients' reduce-scatter sums over cp too.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+
+def head_tail_positions(seq_len: int, degree: int) -> torch.Tensor:
+    """``[degree, seq_len // degree]``: the positions each rank holds (chunks ``r`` and ``2 degree - 1 - r`` of
+    ``2 degree``)."""
+    chunks = torch.arange(seq_len).view(2 * degree, seq_len // (2 * degree))
+    return torch.stack([torch.cat([chunks[r], chunks[2 * degree - 1 - r]]) for r in range(degree)])
+
+
+class ContextParallel:
+    """This rank's share of every sequence, and the loss summed back over the ``cp`` group."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.group = mesh.get_group()
+        self.degree = mesh.size()
+        self.rank = mesh.get_local_rank()
+
+    def shard(self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict[str, torch.Tensor]
+              ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """This rank's tokens and labels of ``[batch, seq]`` rows, and the model's keyword inputs: ``positions``
+        (held, ``[batch, seq / cp]``) and ``key_positions`` (every rank's, in the order the keys are gathered);
+        ``document_ids`` stay whole rows (the mask looks them up by position)."""
+        batch, seq_len = inputs.shape
+        order = head_tail_positions(seq_len, self.degree).to(inputs.device)
+        mine = order[self.rank]
+        kwargs = {**model_kwargs, "positions": mine.expand(batch, -1).contiguous(),
+                  "key_positions": order.reshape(1, -1).expand(batch, -1).contiguous()}
+        return inputs[:, mine], labels[:, mine], kwargs
+
+    def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (a loss summed over this rank's tokens) summed over the ``cp`` group: every rank then holds
+        its data-parallel slice's loss."""
+        total = value.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        return total
+
+
+def gather_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """``x`` ``[batch, seq / cp, ...]`` of every ``cp`` rank, concatenated along dim 1 in rank order. Backward:
+    the reduce-scatter of the gathered gradient (each rank's is a partial sum over its own queries)."""
+    return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local(
+        grad_placements=[Partial()])
+
+
+def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Every attention layer of ``model`` (a model or a pipeline stage) gathers its keys and values over
+    ``mesh`` (``context_parallel_mesh``)."""
+    for block in model.layers.values():
+        block.attention.gather_sequence = functools.partial(gather_sequence, mesh=mesh)
+
+
+def context_parallel_mesh(world: DeviceMesh) -> DeviceMesh:
+    """The mesh the keys and values are gathered over: ``world["cp"]``, except where context parallel is the whole
+    world. There the ``cp`` dimension's group is the default group, which SimpleFSDP's ``dp_shard_cp`` also gets, so
+    the weights' gathers and the attention's could not be told apart (comm plan, dry run): context parallel then
+    gets a group of its own. The same object at every call for one world mesh (making a group is collective)."""
+    held, cp = _CONTEXT_PARALLEL_MESHES.get(id(world), (None, None))
+    if held is world:
+        return cp
+    cp = world["cp"]
+    if cp.size() == dist.get_world_size():
+        group = dist.new_group(ranks=list(range(cp.size())))
+        cp = DeviceMesh.from_group(group, cp.device_type, mesh_dim_names=("cp",))
+    _CONTEXT_PARALLEL_MESHES[id(world)] = (world, cp)  # holds the world: its id stays its own
+    return cp
+
+
+_CONTEXT_PARALLEL_MESHES: dict[int, tuple[DeviceMesh, DeviceMesh]] = {}
