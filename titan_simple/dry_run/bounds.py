@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from titan_simple.dry_run.hardware import DeviceSpec
 from titan_simple.dry_run.layouts import Layout
-from titan_simple.dry_run.prediction import collective_seconds, count_parameters_of, in_flight_chunks, mesh_dims
+from titan_simple.dry_run.mesh_dims import mesh_dims
+from titan_simple.dry_run.prediction import collective_seconds, count_parameters_of, in_flight_chunks
 from titan_simple.models.llama3 import ModelArgs
 from titan_simple.parallel.dims import ParallelDims
 from titan_simple.parallel.pipeline import V_SCHEDULES, PipelinePlan, _split_evenly

@@ -22,7 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from titan_simple.core.plan import RunPlan, resolve_plan
 from titan_simple.dry_run.hardware import DeviceSpec
-from titan_simple.dry_run.prediction import Measured, finish_report, group_names, measure_trace
+from titan_simple.dry_run.mesh_dims import group_names
+from titan_simple.dry_run.prediction import Measured, finish_report, measure_trace
 from titan_simple.dry_run.rank_step import trace_rank
 
 TRACED_BLOCKS = (2, 3)  # blocks per part of the two short traces
