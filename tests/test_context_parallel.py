@@ -66,6 +66,11 @@ def _layouts(rank: int, world_size: int, layouts: dict[str, tuple[str, tuple[str
         layout = build_layout(recipe.config(f"--training.local_batch_size={recipe.global_batch // dp}",
                                             "--parallelism.data_parallel_shard_degree=-1", *overrides), world_size)
         results[key] = train_steps(layout, recipe, keep_grads="eager" in key)
+        if layout.plan.compile.enabled:  # what compile once did on this rank: FX graphs loaded, compiled
+            from titan_simple.compile.once import active_session
+
+            session = active_session()
+            results[key]["compile_once"] = (session.leads, [r.compiled for r in session.records])
     return results
 
 
@@ -110,6 +115,12 @@ def test_context_parallel_equals_one_process(references, world_size, layouts):
                                                                    for g in grads.values()]))
                               for grads in (results[0][key]["grads"], reference["grads"]))
             assert abs(norm / expected - 1) <= EAGER_TOL, (key, norm, expected)
+    # compile once: a rank whose groups are its leader's (cp2: rank 1 follows rank 0; under tensor parallel every
+    # rank leads its own class) loads every graph: the graphs hold no rank-specific constant
+    followers = [(key, rank) for key in layouts if key.endswith("compiled") for rank in range(world_size)
+                 if not results[rank][key]["compile_once"][0]]
+    assert all(not any(results[rank][key]["compile_once"][1]) for key, rank in followers), followers
+    assert followers or world_size == 4
     # the mask matters: block-causal and causal runs differ
     causal, block = results[0][f"cp{world_size}/causal/eager"], results[0][f"cp{world_size}/block_causal/eager"]
     assert max(abs(c - b) for c, b in zip(causal["losses"], block["losses"], strict=True)) > 1e-4

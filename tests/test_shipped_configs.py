@@ -2,8 +2,10 @@
 
 A dry run is not a run. Each config is loaded as a user loads it, with only what cannot run here swapped: the
 debug model and tokenizer instead of Llama 3's, a short sequence, the degrees scaled to at most 4 CPU processes
-(tensor and pipeline parallel 8 -> 2) and the batch to a few sequences, and async tensor parallel off (a CUDA
-pass: on CPU the plan refuses it in one line, asserted below). Everything else stays as shipped: precision,
+(tensor and pipeline parallel 8 -> 2, context parallel 8 -> 4) and the batch to a few sequences, async tensor
+parallel off (a CUDA pass: on CPU the plan refuses it in one line, asserted below) and SDPA for FlexAttention (no
+backward on CPU in torch 2.13; the same mask). A block-causal config's batches hold documents (one token in 16 is
+the tokenizer's EOS). Everything else stays as shipped: precision,
 activation checkpointing, compile mode, bucketing, reordering, schedule, loss parallel. Two steps of random tokens
 (``tests/parity.py``) against the same config on one process, eager (the ground truth, and no compile to wait
 for); the first step's gradients too.
@@ -28,12 +30,13 @@ from titan_simple.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 DEBUG_SCALE = ("--model.flavor=debugmodel", "--model.tokenizer_path=assets/tokenizer/shakespeare_bpe_2k.json",
-               "--training.seq_len=64", "--metrics.enable_tensorboard=false")
+               "--training.seq_len=64", "--metrics.enable_tensorboard=false", "--model.attention=sdpa")
 # Blocks of the debug model: 2 (each block compiles to the same kernels; fewer blocks, less compile time), 4 where
 # the pipeline needs them (Interleaved1F1B on pp2: 4 stages of one block).
 N_LAYERS = {"llama3_405b.toml": 4}
 SINGLE_PROCESS = ("--parallelism.data_parallel_shard_degree=1", "--parallelism.tensor_parallel_degree=1",
-                  "--parallelism.pipeline_parallel_degree=1", "--parallelism.enable_async_tensor_parallel=false")
+                  "--parallelism.pipeline_parallel_degree=1", "--parallelism.context_parallel_degree=1",
+                  "--parallelism.enable_async_tensor_parallel=false")
 NO_ASYNC_TP = ("--parallelism.enable_async_tensor_parallel=false",)
 # config file -> (processes, rows per data-parallel rank, the scaled degrees)
 SCALED: dict[str, tuple[int, int, tuple[str, ...]]] = {
@@ -42,7 +45,9 @@ SCALED: dict[str, tuple[int, int, tuple[str, ...]]] = {
     "llama3_70b.toml": (4, 4, ("--parallelism.tensor_parallel_degree=2",)),
     "llama3_405b.toml": (4, 8, ("--parallelism.tensor_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2",
                                 *NO_ASYNC_TP)),
+    "llama3_8b_128k.toml": (4, 2, ("--parallelism.context_parallel_degree=4",)),
 }
+EOS = 1  # the debug tokenizer's
 STEPS = 2
 # bf16 (the module docstring). Measured on this CPU against the eager reference, worst config: losses 9.7e-5 (debug),
 # norms 8.1e-4 (debug), first-step gradients 9.1e-3 (8B) (2 steps, 2 or 4 blocks; 2026-11-26).
@@ -69,8 +74,9 @@ def recipe_of(name: str) -> Recipe:
     """The batches: each step's global batch of random tokens (data-parallel ranks take their rows)."""
     world, rows, _ = SCALED[name]
     config = scaled_config(name)
-    dp = resolve_plan(config, world, "cpu").dims.dp
-    return Recipe(seq_len=64, global_batch=rows * dp, steps=STEPS)
+    plan = resolve_plan(config, world, "cpu")
+    return Recipe(seq_len=64, global_batch=rows * plan.dims.dp, steps=STEPS,
+                  eos_id=EOS if plan.attention.mask == "block_causal" else None)
 
 
 def _train(rank: int, world_size: int, names: list[str]) -> dict:

@@ -73,7 +73,7 @@ def memory_floor(layout: Layout, args: ModelArgs, sizes: ModelSizes, spec: Devic
     blocks = rank0_blocks(plan, args.n_layers)
     holds_head = plan is None or plan.schedule in V_SCHEDULES
     parameters = sizes.embedding + sum(blocks) * sizes.block + (sizes.head if holds_head else 0)
-    shards = layout.degree("tensor_parallel") * layout.degree("data_parallel_shard")
+    shards = layout.degree("tensor_parallel") * layout.degree("data_parallel_shard") * layout.degree("context_parallel")
     static = parameters / shards * ADAM_BYTES_PER_PARAMETER
     if layout.values.get("parallelism.fsdp_gather") == "once_per_step":
         static += parameters / layout.degree("tensor_parallel") * held_bytes
@@ -93,21 +93,23 @@ def data_parallel_floor(layout: Layout, args: ModelArgs, sizes: ModelSizes, spec
     holds_head = plan is None or plan.schedule in V_SCHEDULES
     parameters = (sizes.embedding + sum(blocks) * sizes.block + (sizes.head if holds_head else 0)) / layout.degree(
         "tensor_parallel")
-    replicate, shard = layout.degree("data_parallel_replicate"), layout.degree("data_parallel_shard")
-    dims = ParallelDims(dp_replicate=replicate, dp_shard=shard, tp=layout.degree("tensor_parallel"),
-                        pp=layout.degree("pipeline_parallel"), world_size=replicate * shard * layout.degree(
+    replicate, cp = layout.degree("data_parallel_replicate"), layout.degree("context_parallel")
+    dims = ParallelDims(dp_replicate=replicate, dp_shard=layout.degree("data_parallel_shard"),
+                        tp=layout.degree("tensor_parallel"), pp=layout.degree("pipeline_parallel"), cp=cp,
+                        world_size=replicate * layout.degree("data_parallel_shard") * cp * layout.degree(
                             "tensor_parallel") * layout.degree("pipeline_parallel"))
-    mdims = mesh_dims(dims, spec.gpus_per_node)
+    shard, names = dims.shard_degree, dims.shard_names
+    mdim = mesh_dims(dims, spec.gpus_per_node)[names[0]] if names else None
     seconds = 0.0
     if once:  # per step, not per pass: a compiled step waits for every once-per-step gather before it starts
-        return 0.0, collective_seconds("all_gather", parameters * gather_bytes, mdims["dp_shard"], spec, count=0) if (
+        return 0.0, collective_seconds("all_gather", parameters * gather_bytes, mdim, spec, count=0) if (
             shard > 1) else 0.0
     if shard > 1:
-        seconds += collective_seconds("all_gather", parameters * gather_bytes, mdims["dp_shard"], spec, count=0)
-        seconds += collective_seconds("reduce_scatter", parameters * reduce_bytes, mdims["dp_shard"], spec, count=0)
+        seconds += collective_seconds("all_gather", parameters * gather_bytes, mdim, spec, count=0)
+        seconds += collective_seconds("reduce_scatter", parameters * reduce_bytes, mdim, spec, count=0)
     if replicate > 1:
-        seconds += collective_seconds("all_reduce", parameters / shard * reduce_bytes, mdims["dp_replicate"], spec,
-                                      count=0)
+        seconds += collective_seconds("all_reduce", parameters / shard * reduce_bytes,
+                                      mesh_dims(dims, spec.gpus_per_node)["dp_replicate"], spec, count=0)
     return seconds, 0.0
 
 

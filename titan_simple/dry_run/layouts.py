@@ -47,7 +47,8 @@ class Layout:
         return " ".join(f"--{key} {value}" for key, value in self.overrides)
 
     def degree(self, name: str) -> int:
-        return int(self.values[f"parallelism.{name}_degree"])
+        """A parallel degree; context parallel is 1 where the search did not vary it."""
+        return int(self.values.get(f"parallelism.{name}_degree", "1"))
 
     def trace_key(self) -> tuple[tuple[str, str], ...]:
         """What the traced step depends on: all but the report-only knobs; under pipeline parallel the traced
@@ -57,9 +58,9 @@ class Layout:
             skip.add("training.local_batch_size")
         return tuple((k, v) for k, v in self.overrides if k not in skip)
 
-    def mesh_key(self) -> tuple[int, int, int, int]:
-        return tuple(self.degree(n) for n in ("data_parallel_replicate", "data_parallel_shard", "tensor_parallel",
-                                              "pipeline_parallel"))
+    def mesh_key(self) -> tuple[int, ...]:
+        return tuple(self.degree(n) for n in ("data_parallel_replicate", "data_parallel_shard", "context_parallel",
+                                              "tensor_parallel", "pipeline_parallel"))
 
 
 def apply_overrides(base: JobConfig, overrides: tuple[tuple[str, str], ...] | list[tuple[str, str]]) -> JobConfig:
@@ -75,7 +76,8 @@ def apply_overrides(base: JobConfig, overrides: tuple[tuple[str, str], ...] | li
 def model_of(config: JobConfig) -> ModelArgs:
     """The model the config builds, as the trainer resolves it (planned on one process: any world will do)."""
     single = [(f"parallelism.{name}", "1") for name in ("data_parallel_replicate_degree",
-              "data_parallel_shard_degree", "tensor_parallel_degree", "pipeline_parallel_degree")]
+              "data_parallel_shard_degree", "tensor_parallel_degree", "pipeline_parallel_degree",
+              "context_parallel_degree")]
     single.append(("parallelism.enable_async_tensor_parallel", "false"))
     return resolve_plan(apply_overrides(config, single), 1, "cuda").model_args
 
@@ -98,7 +100,7 @@ def global_rows(config: JobConfig, world_size: int) -> int:
     if shard > 0:
         return training.local_batch_size * parallelism.data_parallel_replicate_degree * shard
     others = parallelism.data_parallel_replicate_degree * parallelism.tensor_parallel_degree
-    others *= parallelism.pipeline_parallel_degree
+    others *= parallelism.pipeline_parallel_degree * parallelism.context_parallel_degree
     dp = parallelism.data_parallel_replicate_degree * (shard if shard > 0 else world_size // others)
     if dp < 1 or dp * others != world_size:
         raise ConfigError(
@@ -151,60 +153,78 @@ def _pipeline_options(lbs: int, pp: int, n_layers: int) -> list[tuple[str, str, 
     return out
 
 
+# Context parallel is searched from this sequence length up: below it (Llama 3's pretraining length is 8K) the plain
+# FSDP / TP layouts are the ones published, and the search budget goes to them.
+CONTEXT_PARALLEL_FROM_SEQ_LEN = 16384
+
+
+def _context_parallel_degrees(config: JobConfig, world: int, tp: int) -> list[int]:
+    """The context-parallel degrees to try with ``world`` ranks left beside tensor parallel: each that splits the
+    sequence into 2 x cp x tp equal chunks, for long sequences; otherwise the config's own."""
+    seq_len, own = config.training.seq_len, config.parallelism.context_parallel_degree
+    if seq_len < CONTEXT_PARALLEL_FROM_SEQ_LEN:
+        return [own] if world % own == 0 else []
+    return [cp for cp in divisors(world) if seq_len % (2 * cp * tp) == 0]
+
+
 def enumerate_layouts(config: JobConfig, model: ModelArgs, world_size: int, gpus_per_node: int, float8: bool,
                       vary_batch: bool = False, max_pp_microbatch: int = 2) -> list[Layout]:
     """Every layout of the trainer's knobs for ``model`` on ``world_size`` devices (not yet checked by the
     trainer): tensor parallel within a node and dividing the kv heads, pipeline stages that split the layers,
-    data parallel as FSDP, HSDP or DDP, the local batch and accumulation, the pipeline schedule and microbatch
-    size (up to ``max_pp_microbatch`` sequences), when SimpleFSDP gathers, activation checkpointing, whole or
-    regional compile and (``float8``) float8 linears."""
+    context parallel for long sequences (``_context_parallel_degrees``), data parallel as FSDP, HSDP or DDP, the
+    local batch and accumulation, the pipeline schedule and microbatch size (up to ``max_pp_microbatch``
+    sequences), when SimpleFSDP gathers, activation checkpointing, whole or regional compile and (``float8``)
+    float8 linears."""
     layouts = []
     rows_options = _batch_rows(global_rows(config, world_size), vary_batch)
     kv_heads = model.n_kv_heads or model.n_heads
-    for tp in divisors(world_size):
-        if tp > gpus_per_node or kv_heads % tp or model.n_heads % tp:
-            continue
-        for pp in divisors(world_size // tp):
-            if pp > model.n_layers:
+    searched_cp = (config.training.seq_len >= CONTEXT_PARALLEL_FROM_SEQ_LEN
+                   or config.parallelism.context_parallel_degree > 1)
+    meshes = [(tp, pp, cp) for tp in divisors(world_size) if tp <= gpus_per_node and not kv_heads % tp
+              and not model.n_heads % tp for pp in divisors(world_size // tp) if pp <= model.n_layers
+              for cp in _context_parallel_degrees(config, world_size // (tp * pp), tp)]
+    for tp, pp, cp in meshes:
+        dp = world_size // (tp * pp * cp)
+        for replicate, rows in itertools.product(hsdp_replicas(dp, tp * cp, gpus_per_node), rows_options):
+            if rows % dp:
                 continue
-            dp = world_size // (tp * pp)
-            for replicate, rows in itertools.product(hsdp_replicas(dp, tp, gpus_per_node), rows_options):
-                if rows % dp:
-                    continue
-                per_rank = rows // dp
-                # Under pipeline parallel the local batch is the pipeline's batch (no accumulation on top).
-                for lbs in divisors(per_rank) if pp == 1 else [per_rank]:
-                    accumulation = per_rank // lbs
-                    for schedule, micro, n_micro in _pipeline_options(lbs, pp, model.n_layers):
-                        if pp > 1 and int(micro) > max_pp_microbatch:
-                            continue
-                        several = accumulation > 1 or n_micro > 1
-                        gathers = ("per_microbatch", "once_per_step") if several and dp > 1 else ("per_microbatch",)
-                        for gather, ac, regional, f8 in itertools.product(
-                                gathers, AC_MODES, (False, True), (False, True) if float8 else (False,)):
-                            values = [
-                                ("parallelism.data_parallel_replicate_degree", str(replicate)),
-                                ("parallelism.data_parallel_shard_degree", str(dp // replicate)),
-                                ("parallelism.tensor_parallel_degree", str(tp)),
-                                ("parallelism.pipeline_parallel_degree", str(pp)),
-                            ]
-                            if pp > 1:
-                                values += [("parallelism.pipeline_parallel_schedule", schedule),
-                                           ("parallelism.pipeline_parallel_microbatch_size", micro)]
-                            values += [
-                                ("parallelism.enable_async_tensor_parallel", "true" if tp > 1 else "false"),
-                                ("parallelism.fsdp_gather", gather),
-                                ("training.local_batch_size", str(lbs)),
-                                ("training.global_batch_size", str(rows)),
-                                ("activation_checkpoint.mode", ac),
-                            ]
-                            if ac == "selective":
-                                values.append(("activation_checkpoint.selective_ac_option", "op"))
-                            values += [("compile.enable", "true"), ("compile.regional", str(regional).lower())]
-                            if float8:
-                                values.append(("model.converters", "float8" if f8 else "[]"))
-                            layouts.append(Layout(tuple(values)))
+            per_rank = rows // dp
+            # Under pipeline parallel the local batch is the pipeline's batch (no accumulation on top).
+            for lbs in divisors(per_rank) if pp == 1 else [per_rank]:
+                for schedule, micro, n_micro in _pipeline_options(lbs, pp, model.n_layers):
+                    if pp > 1 and int(micro) > max_pp_microbatch:
+                        continue
+                    several = per_rank // lbs > 1 or n_micro > 1
+                    gathers = ("per_microbatch", "once_per_step") if several and dp * cp > 1 else ("per_microbatch",)
+                    mesh = [("parallelism.data_parallel_replicate_degree", str(replicate)),
+                            ("parallelism.data_parallel_shard_degree", str(dp // replicate))]
+                    if searched_cp:  # on GPUs context parallel runs FlexAttention
+                        mesh += [("parallelism.context_parallel_degree", str(cp))] + (
+                            [("model.attention", "flex")] if cp > 1 else [])
+                    mesh += [("parallelism.tensor_parallel_degree", str(tp)),
+                             ("parallelism.pipeline_parallel_degree", str(pp))]
+                    if pp > 1:
+                        mesh += [("parallelism.pipeline_parallel_schedule", schedule),
+                                 ("parallelism.pipeline_parallel_microbatch_size", micro)]
+                    for gather, ac, regional, f8 in itertools.product(
+                            gathers, AC_MODES, (False, True), (False, True) if float8 else (False,)):
+                        knobs = _knobs(mesh, tp, gather, lbs, rows, ac, regional, f8 if float8 else None)
+                        layouts.append(Layout(tuple(knobs)))
     return layouts
+
+
+def _knobs(mesh: list[tuple[str, str]], tp: int, gather: str, lbs: int, rows: int, ac: str, regional: bool,
+           float8: bool | None) -> list[tuple[str, str]]:
+    """One layout's overrides: its mesh, then the step's knobs."""
+    values = [*mesh, ("parallelism.enable_async_tensor_parallel", "true" if tp > 1 else "false"),
+              ("parallelism.fsdp_gather", gather), ("training.local_batch_size", str(lbs)),
+              ("training.global_batch_size", str(rows)), ("activation_checkpoint.mode", ac)]
+    if ac == "selective":
+        values.append(("activation_checkpoint.selective_ac_option", "op"))
+    values += [("compile.enable", "true"), ("compile.regional", str(regional).lower())]
+    if float8 is not None:
+        values.append(("model.converters", "float8" if float8 else "[]"))
+    return values
 
 
 def matches(layout: Layout, pins: dict[str, str]) -> bool:

@@ -74,15 +74,16 @@ def _class_overrides(layout: Layout, world_size: int) -> tuple[tuple[str, str], 
     checkpointing, float8, gathering and replication, with every other data-parallel rank a shard (SimpleFSDP's
     casts and views act on the local shards: the most shards, the least of them)."""
     values = layout.values
-    tp = layout.degree("tensor_parallel")
+    tp, cp = layout.degree("tensor_parallel"), layout.degree("context_parallel")
     pp = layout.degree("pipeline_parallel")
     micro = values["parallelism.pipeline_parallel_microbatch_size"] if pp > 1 else values["training.local_batch_size"]
-    dp = world_size // tp
-    replicated = layout.degree("data_parallel_shard") == 1
+    dp = world_size // (tp * cp)
+    replicated = layout.degree("data_parallel_shard") == 1 and cp == 1
     gather = values["parallelism.fsdp_gather"]
     steps = 2 if gather == "once_per_step" else 1  # gathering once per step needs several microbatches
-    keep = ("parallelism.enable_async_tensor_parallel", "activation_checkpoint.mode",
-            "activation_checkpoint.selective_ac_option", "compile.enable", "model.converters")
+    keep = ("parallelism.context_parallel_degree", "model.attention", "parallelism.enable_async_tensor_parallel",
+            "activation_checkpoint.mode", "activation_checkpoint.selective_ac_option", "compile.enable",
+            "model.converters")
     return (("parallelism.data_parallel_replicate_degree", str(dp if replicated else 1)),
             ("parallelism.data_parallel_shard_degree", str(1 if replicated else dp)),
             ("parallelism.tensor_parallel_degree", str(tp)), ("parallelism.pipeline_parallel_degree", "1"),

@@ -10,13 +10,13 @@ rank holding one contiguous slice would do unequal work. The sequence is cut int
 query-key pairs. Inputs and labels are permuted the same way, so each rank's loss is a sum over its own tokens
 and the gradient is unchanged; ``positions`` tell RoPE and the mask where each held token really is.
 
-**Attention.** Each rank keeps its queries and all-gathers the keys and values of the whole sequence over the
-``cp`` dimension (``gather_sequence``: a DTensor ``Shard(1) -> Replicate`` redistribute, traced by the compiler
-like SimpleFSDP's gathers; its backward is the reduce-scatter that sums every rank's gradient of the gathered
-keys and values). The mask compares positions (``key_positions``: every rank's held positions in gather order),
-and for block-causal attention also the document ids of the whole row, so causal and block-causal both hold.
-The per-layer cost is one all-gather of ``T x kv_dim`` keys and values forward (again when activation
-checkpointing recomputes) and one reduce-scatter backward; activations and the loss's logits are ``1 / cp``.
+**Attention.** Each rank keeps its queries and all-gathers the keys and values of the whole sequence over the ``cp``
+dimension (``gather_sequence``: a functional all-gather, traced by the compiler like SimpleFSDP's gathers; its
+backward is the reduce-scatter that sums every rank's gradient of the gathered keys and values). The mask compares
+positions (``key_positions``: every rank's held positions in gather order), and for block-causal attention also the
+document ids of the whole row, so causal and block-causal both hold. The per-layer cost is one all-gather of ``T x
+kv_dim`` keys and values forward (again when activation checkpointing recomputes) and one reduce-scatter backward;
+activations and the loss's logits are ``1 / cp``.
 
 torch's own ``context_parallel`` is not used: its SDPA path dispatches only CUDA kernels and its FlexAttention
 path needs FlexAttention's backward, which torch 2.13 lacks on CPU (docs/research/issue47_long_context.md). This
@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from titan_simple.parallel.torch_private import all_gather_with_reduce_scatter_backward
 
 
 def head_tail_positions(seq_len: int, degree: int) -> torch.Tensor:
@@ -72,18 +73,20 @@ class ContextParallel:
         return total
 
 
-def gather_sequence(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+def gather_sequence(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """``x`` ``[batch, seq / cp, ...]`` of every ``cp`` rank, concatenated along dim 1 in rank order. Backward:
-    the reduce-scatter of the gathered gradient (each rank's is a partial sum over its own queries)."""
-    return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local(
-        grad_placements=[Partial()])
+    the reduce-scatter of the gathered gradient (each rank's is a partial sum over its own queries). The gather
+    runs along dim 0 (the one the collective concatenates), so the sequence goes first and back."""
+    gathered = all_gather_with_reduce_scatter_backward(x.transpose(0, 1).contiguous(), group_name)
+    return gathered.transpose(0, 1)
 
 
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     """Every attention layer of ``model`` (a model or a pipeline stage) gathers its keys and values over
     ``mesh`` (``context_parallel_mesh``)."""
+    group_name = mesh.get_group().group_name
     for block in model.layers.values():
-        block.attention.gather_sequence = functools.partial(gather_sequence, mesh=mesh)
+        block.attention.gather_sequence = functools.partial(gather_sequence, group_name=group_name)
 
 
 def context_parallel_mesh(world: DeviceMesh) -> DeviceMesh:

@@ -22,6 +22,7 @@ import warnings
 
 import torch
 import torch._functorch.config as functorch_config
+import torch.distributed._functional_collectives as functional_collectives
 import torch.distributed._symmetric_memory as symmetric_memory
 import torch.distributed.distributed_c10d as c10d
 import torch.distributed.tensor.placement_types as placement_types
@@ -47,7 +48,9 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
      "sharded_init.py: the dispatch mode behind layout-invariant random init"),
     (functorch_config, "donated_buffer",
      "pipeline.py: turned off for zero-bubble schedules, which run a compiled backward twice"),
-    (DeviceMesh, "_flatten", "dims.py: the flattened 'dp' (replicate x shard) mesh dimension"),
+    (DeviceMesh, "_flatten", "dims.py: the flattened 'dp' (replicate x shard) and 'dp_shard_cp' mesh dimensions"),
+    (functional_collectives, "all_gather_single",
+     "context_parallel.py: the keys' and values' all-gather, traceable, its backward a reduce-scatter"),
     (DeviceMesh, "_get_root_mesh", "simple_fsdp.py: the world mesh a dp mesh was sliced from (dp x tp)"),
     (placement_types, "_StridedShard",
      "simple_fsdp.py: the dp placement of a TP-sharded dim (the only spelling in torch 2.13)"),
@@ -58,6 +61,14 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
     (symmetric_memory, "empty", "scripts/gpu_check.py: probe whether symmetric memory works on this node"),
     (symmetric_memory, "rendezvous", "scripts/gpu_check.py: probe whether symmetric memory works on this node"),
 )
+
+
+def all_gather_with_reduce_scatter_backward(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """``x`` of every rank of the group concatenated along dim 0; backward, the gradient reduce-scattered (summed).
+    The functional collective names its group by a string, a constant of the traced graph: the public
+    ``DTensor.from_local(x, mesh, ...)`` inside a compiled region makes the mesh an opaque graph input whose cache
+    key differs on every rank, so compile once could never share the graph (measured: every follower compiled)."""
+    return functional_collectives.all_gather_single(x, 0, group_name)
 
 
 def no_donated_buffers() -> contextlib.AbstractContextManager:
