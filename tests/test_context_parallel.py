@@ -7,6 +7,7 @@ fp32 on CPU with gloo. Tolerances as the issue asks: losses and gradient norms w
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import pytest
@@ -66,11 +67,15 @@ def _layouts(rank: int, world_size: int, layouts: dict[str, tuple[str, tuple[str
         layout = build_layout(recipe.config(f"--training.local_batch_size={recipe.global_batch // dp}",
                                             "--parallelism.data_parallel_shard_degree=-1", *overrides), world_size)
         results[key] = train_steps(layout, recipe, keep_grads="eager" in key)
-        if layout.plan.compile.enabled:  # what compile once did on this rank: FX graphs loaded, compiled
+        if layout.plan.compile.enabled:  # what compile once did on this rank; the comm plan's collectives
+            from titan_simple.compile.compiler import comm_plan_recorders
             from titan_simple.compile.once import active_session
 
             session = active_session()
             results[key]["compile_once"] = (session.leads, [r.compiled for r in session.records])
+            results[key]["comm_plan"] = collections.Counter(
+                (graph, c["kind"], c.get("parallelism", "dp")) for recorder in comm_plan_recorders(
+                    layout.step.compiled_modules()) for graph, colls in recorder.graphs.items() for c in colls)
     return results
 
 
@@ -121,6 +126,12 @@ def test_context_parallel_equals_one_process(references, world_size, layouts):
                  if not results[rank][key]["compile_once"][0]]
     assert all(not any(results[rank][key]["compile_once"][1]) for key, rank in followers), followers
     assert followers or world_size == 4
+    # the comm plan lists context parallel's collectives apart: per block one all-gather of the keys and one of
+    # the values forward, their reduce-scatters backward (2 blocks)
+    for key in (k for k in layouts if k.endswith("compiled")):
+        plan = results[0][key]["comm_plan"]
+        assert plan[("forward", "all_gather", "cp")] == 4 and plan[("backward", "reduce_scatter", "cp")] == 4, plan
+        assert plan[("forward", "all_gather", "dp")] > 0 and plan[("backward", "reduce_scatter", "dp")] > 0, plan
     # the mask matters: block-causal and causal runs differ
     causal, block = results[0][f"cp{world_size}/causal/eager"], results[0][f"cp{world_size}/block_causal/eager"]
     assert max(abs(c - b) for c, b in zip(causal["losses"], block["losses"], strict=True)) > 1e-4

@@ -283,6 +283,9 @@ class CommPlanRecorder:
         self.compile_kwargs: dict[str, Any] = {}
         self.leader_store: Path | None = None  # compile once: the comm plan of the rank that compiled the graphs
         self.recorded: dict[str, list[dict[str, Any]]] = {}  # what our pass recorded in this process
+        # process group name -> the parallelism whose collectives it carries, where it is not the weights' data
+        # parallel (context parallel's key / value gathers: "cp"); shown in comm_plan.txt
+        self.group_labels: dict[str, str] = {}
 
     @property
     def graphs(self) -> dict[str, list[dict[str, Any]]]:
@@ -304,6 +307,9 @@ class CommPlanRecorder:
         if name in self.recorded:  # a recompilation: keep each one
             name = f"{name}_{sum(k.startswith(name) for k in self.recorded)}"
         self.recorded[name] = describe_collectives(graph)
+        for collective in self.recorded[name]:
+            if collective["group"] in self.group_labels:
+                collective["parallelism"] = self.group_labels[collective["group"]]
         logger.info("comm plan %s: %s", name, self.summary_line(self.recorded[name]))
         self.write()
 
@@ -355,8 +361,9 @@ class CommPlanRecorder:
                 else:
                     mods = sorted({o["module"] or "?" for o in c["overlaps"]})
                     overlap = f"overlaps {len(c['overlaps'])} compute ops in {', '.join(mods)}"
+                kind = c["kind"] + (f" ({c['parallelism']})" if "parallelism" in c else "")
                 lines.append(
-                    f"{c['index']:4d} {c['kind']:<15s} {c['dtype']:<9s} {c['bytes']:>12,d} B  "
+                    f"{c['index']:4d} {kind:<20s} {c['dtype']:<9s} {c['bytes']:>12,d} B  "
                     f"[{', '.join(c['modules']) or '?'}]  {overlap}"
                 )
         with open(os.path.join(self.dump_folder, "comm_plan.txt"), "w") as f:

@@ -77,6 +77,7 @@ from titan_simple.compile.inductor_private import (
     schedule_overlap_rank_local,
 )
 from titan_simple.compile.once import CompileOnce
+from titan_simple.parallel.context_parallel import context_parallel_group_names
 from titan_simple.parallel.simple_fsdp import data_parallel_group_names
 
 logger = logging.getLogger(__name__)
@@ -292,6 +293,7 @@ def compile_model(
     for module in modules:
         module.compile(fullgraph=fullgraph, **kwargs)
     recorder.compile_kwargs = kwargs
+    recorder.group_labels = {name: "cp" for name in context_parallel_group_names(model)}
     model.comm_plan_recorder = recorder
     return recorder
 

@@ -89,6 +89,12 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
         block.attention.gather_sequence = functools.partial(gather_sequence, group_name=group_name)
 
 
+def context_parallel_group_names(model: nn.Module) -> set[str]:
+    """The process groups ``model``'s attention layers gather keys and values over (the comm plan labels them)."""
+    return {gather.keywords["group_name"] for module in model.modules()
+            if isinstance(gather := getattr(module, "gather_sequence", None), functools.partial)}
+
+
 def context_parallel_mesh(world: DeviceMesh) -> DeviceMesh:
     """The mesh the keys and values are gathered over: ``world["cp"]``, except where context parallel is the whole
     world. There the ``cp`` dimension's group is the default group, which SimpleFSDP's ``dp_shard_cp`` also gets, so
