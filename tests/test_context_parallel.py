@@ -94,7 +94,9 @@ TWO_RANKS = {
 FOUR_RANKS = {
     "cp4/causal/eager": ("causal", ("--parallelism.context_parallel_degree=4",)),
     "cp4/block_causal/eager": ("block_causal", ("--parallelism.context_parallel_degree=4",)),
+    "dp2_cp2/causal/eager": ("causal", CP2),
     "dp2_cp2/block_causal/eager": ("block_causal", CP2),
+    "cp2_tp2/causal/eager": ("causal", (*CP2, "--parallelism.tensor_parallel_degree=2")),
     "cp2_tp2/block_causal/eager": ("block_causal", (*CP2, "--parallelism.tensor_parallel_degree=2")),
     "cp2_pp2/causal/eager": ("causal", (*CP2, "--parallelism.pipeline_parallel_degree=2",
                                         "--parallelism.pipeline_parallel_microbatch_size=2")),
