@@ -7,6 +7,8 @@
 #   bash scripts/gpu_session.sh OUT_DIR planner  # issue 33: 4 one-GPU layouts of the speed job (AC, batch)
 #   bash scripts/gpu_session.sh OUT_DIR rowwise_probe  # issue 43: step-1 gradient norms of float8 rowwise, fixed
 #                                                      # and not, against bf16: about 5 minutes on one H100
+#   bash scripts/gpu_session.sh OUT_DIR long_context   # issue 47: FlexAttention against SDPA, causal and
+#                                                      # block-causal, on the speed job: about 6 minutes on one H100
 #   bash scripts/gpu_session.sh OUT_DIR torchtitan     # issue 43: TorchTitan (FSDP2, SimpleFSDP) and titan_simple
 #                                  # side by side, scripts/benchmarks/torchtitan_side_by_side.sh (carry .gpu/wheels): < 8 min
 #
@@ -79,6 +81,23 @@ if [ "$SESSION" = planner ]; then  # issue 33: does the dry run rank one GPU's l
   speed speed_none_lbs1 80 --activation_checkpoint.mode=none
   speed speed_full_lbs1 80 --activation_checkpoint.mode=full
   speed speed_sel_lbs2 80 --training.local_batch_size=2
+  echo "done: $(date +%T)"
+  mkdir -p "$OUT_DIR"
+  "${PYTHON:-python3}" scripts/gpu_session_summary.py "$LOGS" | tee "$OUT_DIR/summary.txt"
+  tar -czf "$OUT_DIR/logs.tar.gz" --exclude=compile_cache --exclude=checkpoint -C "$LOGS" .
+  exit 0
+fi
+
+if [ "$SESSION" = long_context ]; then  # issue 47: FlexAttention has never run here (no CPU backward in torch 2.13)
+  # The speed job (4 of 8B's layers, seq 8192, compiled with the loss), 6 steps each: SDPA and FlexAttention, causal
+  # and block-causal. Read: flex's losses equal SDPA's of the same mask (bf16 rounding), block-causal's differ from
+  # causal's, and flex's tokens/s against SDPA's. Context parallel needs 2+ GPUs (NCCL refuses two ranks on one GPU).
+  echo "long context: $(date +%T)"
+  LONG=(--training.steps=6 --lr_scheduler.warmup_steps=1)
+  speed lc_sdpa_causal 150 "${LONG[@]}"
+  speed lc_flex_causal 150 "${LONG[@]}" --model.attention=flex
+  speed lc_sdpa_block_causal 150 "${LONG[@]}" --model.attention_mask=block_causal
+  speed lc_flex_block_causal 150 "${LONG[@]}" --model.attention=flex --model.attention_mask=block_causal
   echo "done: $(date +%T)"
   mkdir -p "$OUT_DIR"
   "${PYTHON:-python3}" scripts/gpu_session_summary.py "$LOGS" | tee "$OUT_DIR/summary.txt"

@@ -1,5 +1,6 @@
 """The summary of one ``scripts/gpu_session.sh`` run: each job's exit status, last step and first error; the
-compiled-vs-eager loss differences; tokens/s, TFLOP/s and MFU of the speed pair; the rowwise probe's gradient norms.
+compiled-vs-eager loss differences; tokens/s, TFLOP/s and MFU of the speed pair; the rowwise probe's gradient norms;
+the long-context session's losses and tokens/s.
 
     python scripts/gpu_session_summary.py LOG_DIR
 """
@@ -80,6 +81,13 @@ def main(folder: Path) -> None:
         for name in probes:
             norms = [f"{parsed[name][s].get('grad_norm', float('nan')):g}" for s in sorted(parsed[name])]
             print(f"  {name:<24} {' '.join(norms) or 'no step'}")
+    long_context = sorted(n for n in parsed if n.startswith("lc_"))
+    if long_context:  # SDPA against FlexAttention: the losses step by step, tokens/s after the warm-up
+        print("losses by step, median tokens/s after the warm-up (long context):")
+        for name in long_context:
+            losses = " ".join(f"{parsed[name][s].get('loss', float('nan')):.4f}" for s in sorted(parsed[name]))
+            tps = [v["tps"] for s, v in parsed[name].items() if s > WARMUP and "tps" in v]
+            print(f"  {name:<24} {losses or 'no step'}" + (f"  tps {statistics.median(tps):,.0f}" if tps else ""))
     for name in sorted(n for n in parsed if n.startswith("speed_")):
         measured = [v for s, v in parsed.get(name, {}).items() if s > WARMUP]
         if not measured:
