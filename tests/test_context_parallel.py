@@ -24,7 +24,7 @@ from tests.parity import SHARDED_NORM_RTOL, Recipe, assert_parity, build_layout,
 from titan_simple.config import load_job_config
 from titan_simple.core.plan import resolve_plan
 from titan_simple.errors import ConfigError
-from titan_simple.models.attention import document_ids, position_mask
+from titan_simple.models.attention import document_ids, mask_mod, position_mask
 from titan_simple.parallel.context_parallel import head_tail_positions
 
 EOS = 1
@@ -45,7 +45,8 @@ def test_head_tail_gives_each_rank_an_early_and_a_late_chunk_and_equal_work():
 
 def test_the_position_mask_is_flex_attentions_predicate_of_the_gathered_order():
     """This rank's queries against the keys in gather order: the dense mask equals FlexAttention's rendering of the
-    same mask_mod (the one ``flex_block_mask`` compiles on CUDA) and, put back in sequence order, block-causal."""
+    ``mask_mod`` the flex path compiles into its block mask on CUDA and, put back in sequence order,
+    block-causal."""
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 6, (2, 64), generator=g)
     ids = document_ids(tokens, EOS)
@@ -55,12 +56,7 @@ def test_the_position_mask_is_flex_attentions_predicate_of_the_gathered_order():
     for rank in range(4):
         queries = order[rank].expand(2, -1)
         mask = position_mask(queries, keys, ids)
-
-        def allowed(b, h, q_idx, kv_idx, queries=queries):
-            q, k = queries[b, q_idx], keys[b, kv_idx]
-            return (q >= k) & (ids[b, q] == ids[b, k])
-
-        assert torch.equal(mask, create_mask(allowed, 2, 1, 16, 64, device="cpu"))
+        assert torch.equal(mask, create_mask(mask_mod(ids, queries, keys), 2, 1, 16, 64, device="cpu"))
         assert torch.equal(mask[:, :, :, order.flatten().argsort()], full[:, :, order[rank]])
 
 

@@ -30,7 +30,7 @@ from tests.parity import (
 from titan_simple.config import load_job_config
 from titan_simple.core.plan import resolve_plan
 from titan_simple.errors import ConfigError
-from titan_simple.models.attention import block_causal_mask, document_ids
+from titan_simple.models.attention import block_causal_mask, document_ids, mask_mod
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, Transformer
 
 EOS = 1  # the built-in tokenizer's (assets/tokenizer/shakespeare_bpe_2k.json)
@@ -45,7 +45,8 @@ def test_document_ids_count_the_eos_tokens_before_each_token():
 
 
 def test_the_dense_mask_is_flex_attentions_predicate():
-    """SDPA's boolean mask equals FlexAttention's own dense rendering of causal AND same-document."""
+    """SDPA's boolean mask equals FlexAttention's dense rendering of causal AND same-document, and of the
+    ``mask_mod`` the flex path compiles into its block mask."""
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 8, (3, 96), generator=g)
     tokens[tokens == 2] = EOS  # about one token in four ends a document
@@ -59,7 +60,25 @@ def test_the_dense_mask_is_flex_attentions_predicate():
 
     expected = create_mask(and_masks(causal, same_document), 3, 1, 96, 96, device="cpu")
     assert torch.equal(block_causal_mask(ids), expected)
+    assert torch.equal(create_mask(mask_mod(ids), 3, 1, 96, 96, device="cpu"), expected)
+    assert torch.equal(create_mask(mask_mod(), 1, 1, 96, 96, device="cpu")[0, 0], torch.ones(96, 96).bool().tril())
     assert not torch.equal(expected, expected[0, 0].tril().expand_as(expected))  # documents do cut the rows
+
+
+@torch.no_grad()
+def test_flex_attention_forward_equals_sdpa_on_cpu():
+    """The flex path runs forward on CPU (torch 2.13 refuses only its backward): its compiled block mask and
+    compiled flex_attention give SDPA's logits, causal and block-causal, within 1e-5 (fp32). Training with flex
+    needs CUDA, where ``scripts/gpu_session.sh long_context`` checks it."""
+    model = _tiny_model()
+    flex = _tiny_model()
+    flex.attention_kernel = "flex"
+    g = torch.Generator().manual_seed(2)
+    tokens = torch.randint(2, 2000, (2, 128), generator=g)
+    tokens[torch.rand(tokens.shape, generator=g) < 1 / 16] = EOS
+    ids = document_ids(tokens, EOS)
+    for kwargs in ({}, {"document_ids": ids}):
+        torch.testing.assert_close(flex(tokens, **kwargs), model(tokens, **kwargs), rtol=1e-5, atol=1e-5)
 
 
 def _tiny_model() -> Transformer:

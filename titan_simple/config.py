@@ -68,8 +68,10 @@ class Model:
         "compile time against depth (scripts/benchmarks/benchmark_compile.py)."
     )
     attention: str = option(
-        "sdpa", "The attention kernel: sdpa (torch's scaled_dot_product_attention: flash on CUDA and CPU, both masks) "
-        "or flex (FlexAttention, compiled; CUDA only: torch 2.13's FlexAttention has no backward on CPU).",
+        "sdpa", "The attention kernel: sdpa (torch's scaled_dot_product_attention, both masks: causal runs flash; a "
+        "block-causal mask is a dense boolean tensor, given to CPU's flash kernel and CUDA's memory-efficient one) "
+        "or flex (FlexAttention, compiled, a block-sparse mask; CUDA only: torch 2.13's FlexAttention has no "
+        "backward on CPU).",
         choices=("sdpa", "flex"),
     )
     attention_mask: str = option(

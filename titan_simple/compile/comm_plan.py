@@ -274,7 +274,8 @@ class CommPlanRecorder:
     also keeps its plan for a later start that loads the same graphs from the compile cache (our pass does not
     run then); ``restore()`` reads it back."""
 
-    def __init__(self, dump_folder: str | None, settings: dict[str, Any], store: Path | None = None):
+    def __init__(self, dump_folder: str | None, settings: dict[str, Any], store: Path | None = None,
+                 group_labels: dict[str, str] | None = None):
         self.dump_folder = dump_folder
         self.settings = settings
         self.store = store
@@ -285,7 +286,7 @@ class CommPlanRecorder:
         self.recorded: dict[str, list[dict[str, Any]]] = {}  # what our pass recorded in this process
         # process group name -> the parallelism whose collectives it carries, where it is not the weights' data
         # parallel (context parallel's key / value gathers: "cp"); shown in comm_plan.txt
-        self.group_labels: dict[str, str] = {}
+        self.group_labels: dict[str, str] = group_labels or {}
 
     @property
     def graphs(self) -> dict[str, list[dict[str, Any]]]:

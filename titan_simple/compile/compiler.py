@@ -276,10 +276,10 @@ def compile_model(
     plan = _bucket_plan(model, bucketing, manual_plan, plan_root, regional=modules is not None)
     modules = [model] if modules is None else modules
     cpu = not torch.cuda.is_available()
-    needs_estimates = bucketing == "auto" or (bucketing == "none" and reorder)
-    estimator = runtime_estimator(cpu) if needs_estimates else None
-    settings = {"bucketing": bucketing, "reorder": reorder, "plan": plan}
-    recorder = CommPlanRecorder(dump_folder, settings)
+    estimator = runtime_estimator(cpu) if bucketing == "auto" or (bucketing == "none" and reorder) else None
+    labels = dict.fromkeys(context_parallel_group_names(model), "cp")  # the comm plan names CP's collectives
+    recorder = CommPlanRecorder(dump_folder, {"bucketing": bucketing, "reorder": reorder, "plan": plan},
+                                group_labels=labels)
     # Regional compilation (modules=...): a region's last gradient reduction can wait at its graph's end.
     sink_groups = frozenset(data_parallel_group_names(model)) if modules is not None and reorder else frozenset()
     overlap_pass = _OverlapPass(bucketing, plan, reorder, cpu, estimator, recorder, sink_groups)
@@ -293,7 +293,6 @@ def compile_model(
     for module in modules:
         module.compile(fullgraph=fullgraph, **kwargs)
     recorder.compile_kwargs = kwargs
-    recorder.group_labels = {name: "cp" for name in context_parallel_group_names(model)}
     model.comm_plan_recorder = recorder
     return recorder
 

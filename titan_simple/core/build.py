@@ -76,7 +76,7 @@ def build_model_parts(plan: RunPlan, mesh: DeviceMesh | None, device: torch.devi
     rank of the world calls it (building the mesh's sub-groups and the pipeline stages communicates)."""
     training = plan.config.training
     with torch.device("meta"):
-        model = Transformer(plan.model_args)
+        model = Transformer(plan.model_args, attention=plan.attention.kernel)
     if plan.float8 is not None:  # before tensor parallel, AC and SimpleFSDP: they see plain linears' weights
         convert_to_float8(model, plan.float8.recipe, list(plan.float8.filter_fqns), emulate=plan.float8.emulate,
                           targets=plan.float8.targets)

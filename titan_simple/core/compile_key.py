@@ -38,7 +38,8 @@ def compile_fingerprint(config: JobConfig, model_args: ModelArgs, parallel: Para
     recipe = dataclasses.replace(parallel, compile=dataclasses.replace(
         parallel.compile, dump_folder=None, cache_dir="", fingerprint="", fingerprint_parts=()))
     parts = {
-        "model": repr(model_args) + repr(float8) + ("" if attention is None else repr(attention)),
+        # the attention only where it is not the default, so that the default's fingerprint stays as it was
+        "model": repr(model_args) + repr(float8) + ("" if attention in (None, AttentionPlan()) else repr(attention)),
         "layout and recipe": repr(recipe) + repr(pipeline),
         "loss": repr(loss),
         "shapes": f"{accumulation} {training.seq_len} {training.local_batch_size} "

@@ -173,7 +173,7 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     reasons: dict[str, str] = {}
     dims = ParallelDims.from_config(config, world_size)
     attention = plan_attention(config, dims, device_type)
-    model_args = dataclasses.replace(model_args_for(config), attention=attention.kernel)
+    model_args = model_args_for(config)
     validate_parallelism(dims, model_args, config)
     check_initial_weights(config, model_args)
     check_profiling(config, world_size, device_type)

@@ -48,7 +48,8 @@ class Layout:
 
     def degree(self, name: str) -> int:
         """A parallel degree; context parallel is 1 where the search did not vary it."""
-        return int(self.values.get(f"parallelism.{name}_degree", "1"))
+        default = "1" if name == "context_parallel" else None
+        return int(self.values.get(f"parallelism.{name}_degree", default))
 
     def trace_key(self) -> tuple[tuple[str, str], ...]:
         """What the traced step depends on: all but the report-only knobs; under pipeline parallel the traced

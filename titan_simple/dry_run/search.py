@@ -246,7 +246,7 @@ def _bound(candidates: list[Layout], per_block: dict[Any, dict[str, Any]], base:
         dp_floor = data_parallel_floor(layout, args, sizes, spec, gather_bytes, reduce_bytes)
         tp = layout.degree("tensor_parallel")
         micro = int(layout.values.get("parallelism.pipeline_parallel_microbatch_size", 1))
-        boundary = micro * base.training.seq_len // tp * args.dim * compute_bytes
+        boundary = micro * base.training.seq_len // (tp * layout.degree("context_parallel")) * args.dim * compute_bytes
         bounded.append((speed_ceiling(layout, args, block["seconds"], block["ends_seconds"], tokens,
                                       world, spec, dp_floor, boundary), layout))
     bounded.sort(key=lambda item: (-item[0], AC_ORDER[item[1].values["activation_checkpoint.mode"]]))

@@ -228,9 +228,10 @@ def fused_attention() -> Iterator[None]:
         return _ATTENTION_FORWARD(q, k, v, dropout_p=0.0, is_causal=True)[0]
 
     def no_mask(*args, **kwargs) -> None:
-        # Priced as causal: block-causal skips more (an upper bound), and context parallel's queries against the
-        # gathered keys do half of their [seq / cp, seq] pairs under head-tail balance, as a causal square of the
-        # same area does. FlexAttention's block mask is a few MiB, not a dense tensor to count.
+        # Priced as causal: FlexAttention's block-causal skips more (an upper bound; SDPA's dense mask skips
+        # nothing, docs/dry_run.md), and context parallel's queries against the gathered keys do half of their
+        # [seq / cp, seq] pairs under head-tail balance, as a causal square of the same area does. FlexAttention's
+        # block mask is a few MiB, not a dense tensor to count.
         return None
 
     llama3._grouped_query_attention, llama3.attention_mask = flash_attention, no_mask

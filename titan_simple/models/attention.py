@@ -11,16 +11,18 @@ target (as TorchTitan does). RoPE positions stay the window's (not restarted per
 
 **Kernels.** ``attention = "sdpa"`` (CPU and CUDA): block-causal is SDPA with a dense boolean mask
 ``[B, 1, Tq, Tk]``, built once per forward and shared by every block; the CPU flash kernel takes it without falling
-back to the math kernel (checked, docs/research/issue47_long_context.md), but it cannot skip the masked blocks
-and holds ``B * T * T`` bytes of mask. ``attention = "flex"`` (CUDA only: torch 2.13's FlexAttention has no
-backward on CPU): the same predicate as FlexAttention's sparse ``BlockMask`` and a compiled ``flex_attention``,
-which skips the blocks no query of a tile may see. The flex path has not run here (no GPU in this project's
-sessions so far); ``scripts/gpu_session.sh`` is where a GPU session checks it against the SDPA path.
+back to the math kernel (checked, docs/research/issue47_long_context.md), CUDA's memory-efficient kernel with the
+KV heads repeated (CUDA's flash kernel takes no mask); neither skips the masked blocks, and the mask holds
+``B * T * T`` bytes. ``attention = "flex"`` (CUDA only: torch 2.13's FlexAttention has no backward on CPU): the
+same predicate (``mask_mod``) as FlexAttention's sparse ``BlockMask``, for causal attention too, and a compiled
+``flex_attention``, which skips the blocks no query of a tile may see. The flex path has not trained here (no
+GPU in this project's sessions since); ``scripts/gpu_session.sh long_context`` checks it against the SDPA path.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -57,33 +59,33 @@ def position_mask(positions: torch.Tensor, key_positions: torch.Tensor, ids: tor
     return allowed[:, None]
 
 
-def flex_block_mask(ids: torch.Tensor | None, positions: torch.Tensor | None = None,
-                    key_positions: torch.Tensor | None = None) -> BlockMask:
-    """FlexAttention's block-sparse mask (CUDA): the predicate of ``block_causal_mask`` / ``position_mask``,
-    evaluated block by block by a compiled ``create_block_mask``."""
+def mask_mod(ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+             key_positions: torch.Tensor | None = None) -> Callable:
+    """FlexAttention's ``mask_mod(b, h, q_idx, kv_idx)``: the predicate ``block_causal_mask`` / ``position_mask``
+    evaluate densely. Causal by index, or by ``positions`` / ``key_positions`` when the keys are gathered (context
+    parallel); within a document when ``ids`` (the whole rows') are given."""
 
     def allowed(b, h, q_idx, kv_idx):
-        q = q_idx if positions is None else positions[b, q_idx]
+        q = q_idx if key_positions is None else positions[b, q_idx]
         k = kv_idx if key_positions is None else key_positions[b, kv_idx]
         return (q >= k) if ids is None else (q >= k) & (ids[b, q] == ids[b, k])
 
-    rows = ids if positions is None else positions
-    q_len = rows.shape[1]
-    kv_len = q_len if key_positions is None else key_positions.shape[1]
-    return _compiled_create_block_mask()(allowed, rows.shape[0], None, q_len, kv_len, device=rows.device)
+    return allowed
 
 
-def attention_mask(kernel: str, ids: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                   key_positions: torch.Tensor | None = None) -> Mask | None:
-    """The mask the blocks share for a forward, in ``kernel``'s form: None (SDPA's ``is_causal``) for causal
-    attention over the row's own tokens in order; block-causal with document ids; by position when the keys are
-    gathered from other ranks (``key_positions``, context parallel)."""
-    if key_positions is None:
-        if ids is None:
-            return None
-        return flex_block_mask(ids) if kernel == "flex" else block_causal_mask(ids)
+def attention_mask(kernel: str, batch: int, length: int, device: torch.device, ids: torch.Tensor | None = None,
+                   positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None) -> Mask | None:
+    """The mask the blocks share for a forward of ``batch`` rows of ``length`` tokens, in ``kernel``'s form. SDPA:
+    None (its ``is_causal``) for causal attention over the row's own tokens, a boolean mask for block-causal or
+    for keys gathered from other ranks (``key_positions``, context parallel). Flex: always a block mask (a
+    compiled ``create_block_mask``; one for every row where the mask differs by row)."""
     if kernel == "flex":
-        return flex_block_mask(ids, positions, key_positions)
+        kv_length = length if key_positions is None else key_positions.shape[1]
+        rows = batch if ids is not None or key_positions is not None else None
+        return _compiled_create_block_mask()(mask_mod(ids, positions, key_positions), rows, None, length, kv_length,
+                                             device=device)
+    if key_positions is None:
+        return None if ids is None else block_causal_mask(ids)
     return position_mask(positions, key_positions, ids)
 
 

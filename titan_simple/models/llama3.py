@@ -56,7 +56,6 @@ class ModelArgs:
     ffn_hidden_size: int | None = None  # the SwiGLU width as given (a Hugging Face config); None: from the rule
     max_seq_len: int = 8192  # length of the precomputed RoPE table, i.e. the longest sequence the model takes
     depth_init: bool = True  # output projections of deeper layers start smaller (see TransformerBlock)
-    attention: str = "sdpa"  # the attention kernel, sdpa or flex (models/attention.py)
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # as dataclasses.asdict wrote it (a checkpoint's complete.json)
@@ -142,8 +141,8 @@ def _grouped_query_attention(
     earlier positions than the queries. A FlexAttention ``BlockMask`` runs FlexAttention instead of SDPA.
 
     SDPA's ``enable_gqa`` avoids materializing the repeated KV heads, but on CUDA only the flash kernel
-    (fp16/bf16) supports it; elsewhere it would fall back to the memory-hungry math kernel. So fp32 on CUDA
-    repeats the KV heads explicitly and keeps the memory-efficient kernel available.
+    (fp16/bf16, no mask) supports it; elsewhere it would fall back to the memory-hungry math kernel. So fp32 on
+    CUDA, and any mask on CUDA, repeats the KV heads explicitly and keeps the memory-efficient kernel available.
     """
     if is_block_mask(mask):
         return flex(q, k, v, mask)
@@ -151,7 +150,7 @@ def _grouped_query_attention(
     n_rep = q.shape[1] // k.shape[1]
     if n_rep == 1:
         return F.scaled_dot_product_attention(q, k, v, **causal)
-    if q.device.type == "cuda" and q.dtype not in (torch.float16, torch.bfloat16):
+    if q.device.type == "cuda" and (mask is not None or q.dtype not in (torch.float16, torch.bfloat16)):
         k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
         return F.scaled_dot_product_attention(q, k, v, **causal)
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **causal)
@@ -202,6 +201,7 @@ class Attention(nn.Module):
         # Context parallel (parallel/context_parallel.py) sets it: keys and values of every rank's share of the
         # sequence, gathered along dim 1.
         self.gather_sequence: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.context_parallel_group: str | None = None  # the process group it gathers over
 
     def forward(
         self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: Mask | None = None,
@@ -299,9 +299,10 @@ class Transformer(nn.Module):
     ``None`` (then it returns hidden states), and may delete entries of ``layers``.
     """
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, attention: str = "sdpa") -> None:
         super().__init__()
         self.args = args
+        self.attention_kernel = attention  # sdpa or flex (models/attention.py): how, not what, the model computes
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
         # Not persistent: it is a pure function of args, so checkpoints neither store nor need it. Keep it
         # complex64: model.to(<real dtype>) would drop its imaginary part (init_weights recomputes it).
@@ -363,6 +364,8 @@ class Transformer(nn.Module):
         parallel, ``parallel/context_parallel.py``; then ``document_ids`` are of the whole rows)."""
         start = 0 if cache is None else cache.position
         end = start + tokens.shape[1]  # tokens [batch, seq], or a pipeline stage's input [batch, seq, dim]
+        if key_positions is not None:  # context parallel: this rank holds a share of rows of that length
+            end = key_positions.shape[1]
         if end > self.freqs_cis.shape[0]:
             raise ValueError(f"sequence length {end} exceeds max_seq_len {self.freqs_cis.shape[0]}")
         if cache is not None and end > cache.max_len:
@@ -371,7 +374,8 @@ class Transformer(nn.Module):
             freqs_cis = self.freqs_cis[start:end]
         else:  # every row holds the same positions
             freqs_cis = torch.view_as_real(self.freqs_cis)[positions[0]]
-        mask = attention_mask(self.args.attention, document_ids, positions, key_positions)
+        mask = attention_mask(self.attention_kernel, tokens.shape[0], tokens.shape[1], tokens.device, document_ids,
+                              positions, key_positions)
         if cache is None and self.block_regions is not None:
             # Regional compilation (compile/regions.py): the regions run the embedding, the blocks, the final
             # norm and the output projection.

@@ -52,6 +52,7 @@ class ContextParallel:
         self.group = mesh.get_group()
         self.degree = mesh.size()
         self.rank = mesh.get_local_rank()
+        self._orders: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def shard(self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict[str, torch.Tensor]
               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -59,7 +60,10 @@ class ContextParallel:
         (held, ``[batch, seq / cp]``) and ``key_positions`` (every rank's, in the order the keys are gathered);
         ``document_ids`` stay whole rows (the mask looks them up by position)."""
         batch, seq_len = inputs.shape
-        order = head_tail_positions(seq_len, self.degree).to(inputs.device)
+        key = (seq_len, inputs.device)
+        if key not in self._orders:  # the same for every batch: made on the device once
+            self._orders[key] = head_tail_positions(seq_len, self.degree).to(inputs.device)
+        order = self._orders[key]
         mine = order[self.rank]
         kwargs = {**model_kwargs, "positions": mine.expand(batch, -1).contiguous(),
                   "key_positions": order.reshape(1, -1).expand(batch, -1).contiguous()}
@@ -87,12 +91,12 @@ def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     group_name = mesh.get_group().group_name
     for block in model.layers.values():
         block.attention.gather_sequence = functools.partial(gather_sequence, group_name=group_name)
+        block.attention.context_parallel_group = group_name  # what the comm plan labels "cp"
 
 
 def context_parallel_group_names(model: nn.Module) -> set[str]:
     """The process groups ``model``'s attention layers gather keys and values over (the comm plan labels them)."""
-    return {gather.keywords["group_name"] for module in model.modules()
-            if isinstance(gather := getattr(module, "gather_sequence", None), functools.partial)}
+    return {group for module in model.modules() if (group := getattr(module, "context_parallel_group", None))}
 
 
 def context_parallel_mesh(world: DeviceMesh) -> DeviceMesh:

@@ -12,6 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from titan_simple.errors import ConfigError
 from titan_simple.models.llama3 import ModelArgs
+from titan_simple.parallel.context_parallel import context_parallel_mesh
 from titan_simple.parallel.torch_private import flatten_mesh
 
 if TYPE_CHECKING:
@@ -132,6 +133,8 @@ class ParallelDims:
         if self.shard_names == ("dp_shard_cp",):
             names.append("dp_shard_cp")
         groups = [mesh[name].get_group() for name in names]
+        if self.cp > 1:  # the keys' and values' gathers have a group of their own where cp is the whole world
+            groups.append(context_parallel_mesh(mesh).get_group())
         return list({id(group): group for group in groups}.values())
 
     @cached_property

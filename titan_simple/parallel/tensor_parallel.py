@@ -89,7 +89,7 @@ def _float8_styles(block: nn.Module) -> dict[str, object]:
 
     styles: dict[str, object] = {}
     for sublayer, colwise, rowwise, layouts in (
-        ("attention", ("wq", "wk", "wv"), "wo", ((Shard(1), None), (Replicate(), None))),
+        ("attention", ("wq", "wk", "wv"), "wo", ((Shard(1), None, None), (Replicate(), None, None))),
         ("feed_forward", ("w1", "w3"), "w2", ((Shard(1),), (Replicate(),))),
     ):
         if not all(isinstance(block.get_submodule(f"{sublayer}.{n}"), Float8Linear) for n in (*colwise, rowwise)):
