@@ -161,6 +161,8 @@ TWO_RANK_LAYOUTS = {
     "fully_shard2/compiled": ("--parallelism.data_parallel_shard_degree=2", "--compile.enable"),
     "pp2/eager": ("--parallelism.pipeline_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
                   "--parallelism.pipeline_parallel_microbatch_size=2"),
+    "pp2/compiled": ("--parallelism.pipeline_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1",
+                     "--parallelism.pipeline_parallel_microbatch_size=2", "--compile.enable"),
 }
 FOUR_RANK_LAYOUTS = {
     "dp2_tp2/eager": ("--parallelism.data_parallel_shard_degree=2", "--parallelism.tensor_parallel_degree=2"),
