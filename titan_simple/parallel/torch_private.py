@@ -67,7 +67,7 @@ def all_gather_with_reduce_scatter_backward(x: torch.Tensor, group_name: str) ->
     """``x`` of every rank of the group concatenated along dim 0; backward, the gradient reduce-scattered (summed).
     The functional collective names its group by a string, a constant of the traced graph: the public
     ``DTensor.from_local(x, mesh, ...)`` inside a compiled region makes the mesh an opaque graph input whose cache
-    key differs on every rank, so compile once could never share the graph (measured: every follower compiled)."""
+    key differs on every rank, so compile once could not share the graph (docs/parallelism.md, "Context parallel")."""
     return functional_collectives.all_gather_single(x, 0, group_name)
 
 
