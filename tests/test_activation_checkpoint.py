@@ -104,6 +104,27 @@ def test_op_policy_counts_a_recomputation_apart_from_its_forward():
     assert forward == recomputed == [SAVE, RECOMPUTE, SAVE, RECOMPUTE, SAVE, RECOMPUTE, SAVE]
 
 
+def test_each_module_runs_its_own_policy_whatever_ran_before_in_the_process():
+    """The context_fn names its policy by cache key, process-wide: a module checkpointed with the plain op policy
+    first must not make a later recording subclass (same decisions, same settings) run the earlier policy (it did,
+    depending on test order), and two classes under one key are refused rather than silently swapped."""
+    from titan_simple.parallel import activation_checkpoint as ac
+
+    # the base class's policy first (in a fresh process, the first under its key)
+    apply_checkpoint(TransformerBlock(0, LLAMA3_FLAVORS["debugmodel"]), SelectiveOpPolicy(every_second_matmul=True))
+    log, _ = _block_decisions(every_second_matmul=True)
+    assert sum(decision == SAVE for op, _, decision in log if op == "mm") == 8  # 4 of 7 per forward, twice
+
+    class Impostor:
+        cache_key = "selective_op(every second matmul)"
+
+        def __call__(self, ctx, op, *args, **kwargs):
+            return RECOMPUTE
+
+    with pytest.raises(ValueError, match="share the cache key"):
+        ac._context_fn(ac.compose_policies(Impostor()))
+
+
 def test_op_all_matmuls_policy_saves_every_matmul():
     log, _ = _block_decisions(every_second_matmul=False)
     assert [decision for _, _, decision in log] == [SAVE] * 16

@@ -151,10 +151,18 @@ def _selective_contexts(cache_key: str):
     return create_selective_checkpoint_contexts(_POLICIES[cache_key].fresh(), allow_cache_entry_mutation=True)
 
 
+def _policy_types(policy: Policy) -> tuple[type, ...]:
+    return tuple(type(p) for p in getattr(policy, "chain", (policy,)))
+
+
 def _context_fn(policy: Policy) -> Callable:
     """A ``context_fn`` AOTAutograd can cache: a partial of a module-level function and a string (it pickles),
-    with ``cache_hash`` (this file's source and the policy's key)."""
-    _POLICIES.setdefault(policy.cache_key, policy)
+    with ``cache_hash`` (this file's source and the policy's key). The key names the policy process-wide, so two
+    policies of other classes under one key are refused: the second would silently run the first's decisions."""
+    registered = _POLICIES.setdefault(policy.cache_key, policy)
+    if registered is not policy and _policy_types(registered) != _policy_types(policy):
+        raise ValueError(f"activation checkpointing: policies of other classes share the cache key "
+                         f"{policy.cache_key!r}; give each class a cache_key of its own")
     context_fn = partial(_selective_contexts, policy.cache_key)
     context_fn.cache_hash = f"{_SOURCE_HASH}:{policy.cache_key}"
     return context_fn
@@ -259,6 +267,8 @@ class SelectiveOpPolicy:
         self.tensor_parallel_groups = frozenset(tensor_parallel_groups)
         self.save_float8_amax = save_float8_amax
         self.cache_key = ("selective_op(every second matmul)" if every_second_matmul else "selective_op(all matmuls)")
+        if type(self) is not SelectiveOpPolicy:  # a subclass decides (or records) otherwise: a key of its own
+            self.cache_key = f"{type(self).__module__}.{type(self).__qualname__}: {self.cache_key}"
         if self.tensor_parallel_groups:
             self.cache_key += f" regather({','.join(sorted(self.tensor_parallel_groups))})"
         if not save_float8_amax:
