@@ -25,18 +25,21 @@ RUN = ["--config", "llama3_debug.toml", "--model.n_layers", "2", "--training.seq
 SUMMARY = re.compile(r"compile once \((?P<folder>[^)]*)\): (?P<text>.*)$", re.MULTILINE)
 
 
-def _env() -> dict[str, str]:
+def _env(threads: str | None = "1") -> dict[str, str]:
     # Each job's own cache folder ([compile] cache_dir), not the suite's shared one, with torch's caches allowed
-    # (an environment that forces them off turns compile once off).
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    env.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="1")
+    # (an environment that forces them off turns compile once off). threads=None: OMP_NUM_THREADS unset, as in the
+    # docs' commands (torchrun then sets 1 for each of its workers).
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "OMP_NUM_THREADS")}
+    env.update(TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="1")
+    if threads is not None:
+        env["OMP_NUM_THREADS"] = threads
     return env
 
 
-def _torchrun(dump: Path, cache: Path, *extra: str, ranks: int = 2) -> str:
+def _torchrun(dump: Path, cache: Path, *extra: str, ranks: int = 2, threads: str | None = "1") -> str:
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--standalone",
                str(REPO / "train.py"), *RUN, "--job.dump_folder", str(dump), "--compile.cache_dir", str(cache), *extra]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=_env(), cwd=REPO)
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=_env(threads), cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc.stdout + proc.stderr
 
@@ -75,16 +78,21 @@ def test_one_rank_compiles_and_the_other_loads_bitwise_equal_to_every_rank_compi
 
 @pytest.mark.slow
 def test_a_precompiled_job_compiles_nothing_and_trains_bitwise_the_same(once_run, tmp_path):
+    """As the docs say it, with no OMP_NUM_THREADS anywhere: the precompile compiles for one thread per rank, what
+    torchrun gives each of its 2 workers (Inductor's CPU kernels are keyed by the count; compiled with this
+    machine's default instead, every graph compiled again)."""
     root, _ = once_run
     cache = tmp_path / "cache"
     command = [sys.executable, str(REPO / "train.py"), *RUN, "--job.dump_folder", str(tmp_path / "pre"),
                "--compile.cache_dir", str(cache), "--compile.precompile_world_size", "2"]
-    pre = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=_env(), cwd=REPO)
+    pre = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=_env(threads=None), cwd=REPO)
     assert pre.returncode == 0, pre.stderr[-4000:]
     assert re.search(r"precompile: rank 0 of 2: compiled 2 FX graphs, found 0", pre.stderr), pre.stderr[-3000:]
+    assert "compiling for 1 CPU thread(s) per rank (torchrun sets OMP_NUM_THREADS=1" in pre.stderr
+    assert "and OMP_NUM_THREADS=1 loads these graphs" in pre.stderr
     assert not (tmp_path / "pre" / "metrics.jsonl").exists()  # it trained nothing
 
-    output = _torchrun(tmp_path / "job", cache)
+    output = _torchrun(tmp_path / "job", cache, threads=None)
     summary = _summary(output)
     assert summary.startswith("rank 0 compiled 0 and loaded 2 FX graphs"), summary
     assert "rank(s) 1 loaded 2 and compiled 0" in summary, summary
@@ -119,6 +127,13 @@ def test_a_changed_fingerprint_says_which_part_changed_once(tmp_path):
     assert line == (f"compile: the graphs compile again: {tmp_path} last held another run's (torch, titan_simple "
                     "code changed)")
     assert describe_recompile(str(tmp_path), "f2", newer, write=True) is None  # said once
+    threads = (*newer, ("CPU threads per process", "2"))  # a job run with other threads than the precompile
+    describe_recompile(str(tmp_path), "f2", (*newer, ("CPU threads per process", "1")), write=True)
+    line = describe_recompile(str(tmp_path), "f3", threads, write=True)
+    assert line == (f"compile: the graphs compile again: {tmp_path} last held another run's (CPU threads per process "
+                    "1 -> 2 changed); Inductor keys CPU kernels by the thread count: give the job and whatever "
+                    "compiled the folder the same OMP_NUM_THREADS (torchrun sets 1 when it starts several processes "
+                    "on a node)")
     (tmp_path / LAST_COMPILE).write_text("{not json")
     assert "unreadable" in describe_recompile(str(tmp_path), "f3", newer, write=False)
 

@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from titan_simple.compile.comm_plan import CommPlanRecorder
+from titan_simple.compile.compile_plan import CPU_THREADS
 from titan_simple.compile.inductor_private import (
     compile_counters,
     default_inductor_cache_dir,
@@ -109,10 +110,15 @@ def describe_recompile(folder: str, fingerprint: str, parts: Sequence[tuple[str,
     path = Path(folder) / LAST_COMPILE
     try:
         last = json.loads(path.read_text())
-        changed = [name for name, digest in parts if dict(last.get("parts", [])).get(name) != digest]
+        before = dict(last.get("parts", []))
+        changed = [_changed_part(name, before.get(name), digest) for name, digest in parts
+                   if before.get(name) != digest]
+        hint = ("; Inductor keys CPU kernels by the thread count: give the job and whatever compiled the folder "
+                "the same OMP_NUM_THREADS (torchrun sets 1 when it starts several processes on a node)"
+                if any(name.startswith(CPU_THREADS) for name in changed) else "")
         line = (None if last.get("fingerprint") == fingerprint else
                 f"compile: the graphs compile again: {folder} last held another run's "
-                f"({', '.join(changed) or 'settings'} changed)")
+                f"({', '.join(changed) or 'settings'} changed){hint}")
     except FileNotFoundError:
         line = None
     except (OSError, ValueError, TypeError, AttributeError):
@@ -125,3 +131,8 @@ def describe_recompile(folder: str, fingerprint: str, parts: Sequence[tuple[str,
         except OSError:
             pass
     return line
+
+
+def _changed_part(name: str, before: str | None, now: str) -> str:
+    """A changed fingerprint part as the recompile line names it: the thread count with both numbers."""
+    return f"{name} {before} -> {now}" if name == CPU_THREADS and before is not None else name

@@ -22,6 +22,9 @@ if TYPE_CHECKING:
     from titan_simple.compile.comm_plan import CommPlanRecorder
     from titan_simple.compile.once import CompileOnce
 
+# The compile fingerprint's part that holds a CPU run's thread count (Inductor keys CPU kernels by it).
+CPU_THREADS = "CPU threads per process"
+
 
 def _compiler() -> ModuleType:
     """``compile/compiler.py``, imported at the first compile (it imports Inductor)."""

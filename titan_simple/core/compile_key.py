@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from titan_simple.compile.compile_plan import CPU_THREADS
 from titan_simple.config import JobConfig
 from titan_simple.core.loss import LossPlan
 from titan_simple.models.attention import AttentionPlan
@@ -28,12 +29,14 @@ def compile_cache_folder(config: JobConfig) -> str:
 
 def compile_fingerprint(config: JobConfig, model_args: ModelArgs, parallel: ParallelPlan, loss: LossPlan,
                         pipeline: PipelinePlan | None, accumulation: int, float8: Float8Plan | None = None,
-                        attention: AttentionPlan | None = None) -> tuple[str, tuple[tuple[str, str], ...]]:
+                        attention: AttentionPlan | None = None,
+                        device_type: str = "cpu") -> tuple[str, tuple[tuple[str, str], ...]]:
     """What this rank's compiled graphs are made of, hashed, and each named part's own short hash: the model,
     the layout and what the recipe applies (dtypes, checkpointing, compile settings), the loss, the shapes of a
     microbatch, the torch version and this package's source. It names the comm plan's copy in the compile cache
     (torch's own cache keys decide whether a graph is reused; this only has to tell one run's graphs from
-    another's), and the parts say why a start compiles again (``compile/cache.describe_recompile``)."""
+    another's), and the parts say why a start compiles again (``compile/cache.describe_recompile``). On CPU the
+    thread count is a part too, kept as the number: Inductor's CPU kernels are keyed by it (``CPU_THREADS``)."""
     training = config.training
     recipe = dataclasses.replace(parallel, compile=dataclasses.replace(
         parallel.compile, dump_folder=None, cache_dir="", fingerprint="", fingerprint_parts=()))
@@ -47,8 +50,11 @@ def compile_fingerprint(config: JobConfig, model_args: ModelArgs, parallel: Para
         "torch": torch.__version__,
         "titan_simple code": _package_source_hash(),
     }
+    digests = {name: hashlib.sha256(text.encode()).hexdigest()[:12] for name, text in parts.items()}
+    if device_type == "cpu":
+        parts[CPU_THREADS] = digests[CPU_THREADS] = str(torch.get_num_threads())
     whole = hashlib.sha256("\n".join(parts.values()).encode()).hexdigest()
-    return whole, tuple((name, hashlib.sha256(text.encode()).hexdigest()[:12]) for name, text in parts.items())
+    return whole, tuple(digests.items())
 
 
 @functools.cache

@@ -204,7 +204,7 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
                     chunks=choose_loss_chunks(config, compile_mode, reasons))
     if compile_plan.enabled:
         fingerprint, parts = compile_fingerprint(config, model_args, parallel, loss, pipeline, accumulation, float8,
-                                                 attention)
+                                                 attention, device_type)
         parallel = dataclasses.replace(parallel, compile=dataclasses.replace(compile_plan, fingerprint=fingerprint,
                                                                              fingerprint_parts=parts))
     data = dataclasses.replace(data, global_rows=config.training.local_batch_size * data.ranks * accumulation)

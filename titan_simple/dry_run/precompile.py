@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 import shutil
 import tempfile
 import time
@@ -82,10 +83,12 @@ def precompile(config: JobConfig) -> list[str]:
     it logged. Raises the one-line ConfigError of a config it cannot precompile, before anything is built."""
     world_size = config.compile.precompile_world_size
     device = precompile_device(config)
+    lines = [match_job_cpu_threads(world_size)] if device.type == "cpu" else []  # before the plan: its fingerprint
     plan = resolve_plan(config, world_size, device.type)
     check_can_precompile(plan)
     folder = use_compile_cache(plan.compile.cache_dir)  # one line if it cannot be written
-    lines = []
+    for line in lines:
+        logger.info(line)
     why = describe_recompile(folder, plan.compile.fingerprint, plan.compile.fingerprint_parts, write=True)
     if why:
         lines.append(why)
@@ -102,10 +105,27 @@ def precompile(config: JobConfig) -> list[str]:
         lines.append(f"precompile: rank {rank} of {world_size}: compiled {compiled} FX graphs, found {loaded} already "
                      f"in {folder} ({graphs} Dynamo graphs, {time.perf_counter() - start:.1f} s)")
         logger.info(lines[-1])
-    lines.append(f"precompile: done; a job of {world_size} ranks with this config and [compile] cache_dir = {folder} "
-                 "loads these graphs")
+    threads = f" and OMP_NUM_THREADS={torch.get_num_threads()}" if device.type == "cpu" else ""
+    lines.append(f"precompile: done; a job of {world_size} ranks with this config, [compile] cache_dir = {folder}"
+                 f"{threads} loads these graphs")
     logger.info(lines[-1])
     return lines
+
+
+def match_job_cpu_threads(world_size: int) -> str:
+    """Compile for the CPU threads each rank of the job will run (Inductor keys CPU kernels by the count, so other
+    counts would miss): ``OMP_NUM_THREADS`` where set (the job's launch from this shell inherits it), else 1 for a
+    job of several ranks, as ``torchrun`` gives each of the workers it starts on a node. Sets it for this process
+    and the ones it starts; returns the line that says so."""
+    explicit = os.environ.get("OMP_NUM_THREADS", "").strip()
+    threads = int(explicit) if explicit.isdigit() and int(explicit) > 0 else (1 if world_size > 1 else None)
+    if threads is None:
+        return f"precompile: compiling for {torch.get_num_threads()} CPU threads per rank (torch's default here)"
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    why = ("OMP_NUM_THREADS" if explicit else "torchrun sets OMP_NUM_THREADS=1 when it starts several processes; "
+           "to launch otherwise, set OMP_NUM_THREADS for the precompile and the job alike")
+    return f"precompile: compiling for {threads} CPU thread(s) per rank ({why})"
 
 
 def _class_leaders(config: JobConfig, device_type: str) -> list[int]:
