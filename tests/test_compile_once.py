@@ -118,6 +118,25 @@ def test_a_corrupt_cache_entry_is_compiled_again(once_run, tmp_path):
     assert re.match(r"rank 0 compiled 2", _summary(output)), _summary(output)
 
 
+@pytest.mark.slow
+def test_an_unreadable_comm_plan_copy_is_compiled_again_not_a_crash(once_run, tmp_path):
+    """Graphs in torch's cache record no comm plan, so a start that loads them reads the plan's copy; a truncated
+    copy (rank 0's) is removed, rank 0 compiles its graphs again without the caches and records the plan anew."""
+    root, _ = once_run
+    cache = tmp_path / "cache"
+    subprocess.run(["cp", "-r", str(root / "cache"), str(cache)], check=True)
+    copies = sorted((cache / "titan_simple_comm_plans").glob("*-rank0.json"))
+    assert len(copies) == 1
+    copies[0].write_text(copies[0].read_text()[:40])
+    output = _torchrun(tmp_path / "job", cache)
+    assert "comm plan's copy was unreadable (removed); rank 0 compiles its graphs again" in output
+    assert _summary(output).startswith("rank 0 compiled every graph without torch's compile caches"), output[-3000:]
+    assert _losses(tmp_path / "job") == _losses(root / "dump")
+    plan = json.loads((tmp_path / "job" / "comm_plan.json").read_text())["graphs"]
+    assert plan == json.loads((root / "dump" / "comm_plan.json").read_text())["graphs"]
+    assert json.loads(copies[0].read_text())["graphs"] == plan  # the copy written again
+
+
 def test_a_changed_fingerprint_says_which_part_changed_once(tmp_path):
     parts = (("model", "a"), ("layout and recipe", "b"), ("torch", "2.13.0"), ("titan_simple code", "c"))
     assert describe_recompile(str(tmp_path), "f1", parts, write=True) is None  # an empty folder: nothing to say

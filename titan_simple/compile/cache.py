@@ -29,6 +29,8 @@ import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import torch
+
 from titan_simple.compile.comm_plan import CommPlanRecorder
 from titan_simple.compile.compile_plan import CPU_THREADS
 from titan_simple.compile.inductor_private import (
@@ -68,6 +70,17 @@ def check_cache_folder_writable(folder: str, name: str) -> None:
     except OSError as error:
         raise ConfigError(f"{name} cannot be written ({error.strerror or error}): choose a folder this process can "
                           "write and every rank of the job can read.") from None
+
+
+def disable_compile_caches() -> None:
+    """From now on this process compiles every graph afresh: torch's compile caches are neither read nor written
+    (``torch.compiler.config.force_disable_caches``)."""
+    torch.compiler.config.force_disable_caches = True
+
+
+def caches_disabled() -> bool:
+    """Whether this process compiles without torch's compile caches (whose hit / miss counters then stay at 0)."""
+    return bool(torch.compiler.config.force_disable_caches)
 
 
 def comm_plan_store(fingerprint: str, pass_uuid: str, rank: int) -> Path:

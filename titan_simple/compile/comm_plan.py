@@ -267,6 +267,19 @@ def describe_collectives(graph: fx.Graph) -> list[dict[str, Any]]:
     return out
 
 
+def read_stored_plan(store: Path) -> dict[str, list[dict[str, Any]]] | None:
+    """The graphs of a comm plan kept in the compile cache; None, with a warning, for a file that cannot be read
+    (truncated, not ours): the plan is what the run reports, never a reason to stop it."""
+    try:
+        graphs = json.loads(store.read_text())["graphs"]
+        if isinstance(graphs, dict):
+            return graphs
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    logger.warning("comm plan: the copy kept in the compile cache at %s is unreadable; ignored", store)
+    return None
+
+
 class CommPlanRecorder:
     """Collects the collectives of each compiled graph (forward, backward). Each time a graph is added it
     writes ``comm_plan.json`` / ``comm_plan.txt`` under ``dump_folder``. The backward graph is compiled during
@@ -298,8 +311,8 @@ class CommPlanRecorder:
 
     def _stored(self) -> dict[str, list[dict[str, Any]]] | None:
         for store in (self.store, self.leader_store):
-            if store is not None and store.exists():
-                return json.loads(store.read_text())["graphs"]
+            if store is not None and store.exists() and (graphs := read_stored_plan(store)) is not None:
+                return graphs
         return None
 
     def add(self, graph: fx.Graph) -> None:

@@ -58,11 +58,12 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from titan_simple.compile.cache import comm_plan_store
+from titan_simple.compile.cache import comm_plan_store, disable_compile_caches
 from titan_simple.compile.comm_plan import (
     COLLECTIVE_KINDS,
     CommPlanRecorder,
     overlap_order,
+    read_stored_plan,
     sink_last_reduce_scatter_waits,
 )
 from titan_simple.compile.cpu_cost_model import CpuRuntimeEstimator, cpu_roofline
@@ -302,6 +303,12 @@ def _keep_comm_plan(recorder: CommPlanRecorder, fingerprint: str, pass_uuid: str
     compile once where the leader keeps its own (a follower loads the leader's graphs, so it records nothing)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     recorder.store = comm_plan_store(fingerprint, pass_uuid, rank)
+    if recorder.store.exists() and read_stored_plan(recorder.store) is None:
+        # Graphs loaded from the cache record no plan: this process compiles them again, and writes a new copy.
+        recorder.store.unlink(missing_ok=True)
+        disable_compile_caches()
+        logger.warning("compile: the comm plan's copy was unreadable (removed); rank %d compiles its graphs again, "
+                       "without torch's compile caches, to record it", rank)
     if session is not None and session.leader != rank:
         recorder.leader_store = comm_plan_store(fingerprint, pass_uuid, session.leader)
 

@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_simple.compile.cache import caches_disabled
 from titan_simple.compile.inductor_private import (
     autograd_cache_bypasses,
     compile_caches_forced_off,
@@ -83,6 +84,7 @@ class GraphRecord:
     waited: float = 0.0  # seconds spent waiting for the leader
     same_as_leader: bool = True  # False: this rank's graph differs from the leader's graph of that index
     unshared: bool = False  # AOT autograd's cache refused this graph: every rank compiled it, none waited
+    uncached: bool = False  # compiled with torch's caches off (which then count nothing): hits and compiled are 0
 
 
 @dataclass
@@ -125,7 +127,7 @@ class CompileOnce:
         after = compile_counters()
         self.records.append(GraphRecord(index, time.perf_counter() - start, after["hit"] - before["hit"],
                                         after["miss"] + after["bypass"] - before["miss"] - before["bypass"], waited,
-                                        same, unshared or refused()))
+                                        same, unshared or refused(), caches_disabled()))
         return compiled
 
     @contextlib.contextmanager
@@ -325,7 +327,7 @@ def describe_compile_once(session: CompileOnce | None) -> str:
                     compiled=sum(r.compiled for r in records), seconds=sum(r.seconds for r in records),
                     waited=sum(r.waited for r in records), folder=session.cache_folder,
                     differ=sum(not r.same_as_leader for r in records),
-                    unshared=sum(r.unshared for r in records))
+                    unshared=sum(r.unshared for r in records), uncached=any(r.uncached for r in records))
     everyone: list[dict[str, Any]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(everyone, mine)
     parts = [_describe_class(everyone, leader) for leader in sorted({r["leader"] for r in everyone} - {None})]
@@ -339,8 +341,9 @@ def describe_compile_once(session: CompileOnce | None) -> str:
 
 def _describe_class(everyone: list[dict[str, Any]], leader: int) -> str:
     lead = everyone[leader]
-    text = (f"rank {leader} compiled {lead['compiled']} and loaded {lead['hits']} FX graphs "
-            f"({lead['graphs']} Dynamo graphs, {lead['seconds']:.1f} s)")
+    what = ("compiled every graph without torch's compile caches" if lead["uncached"] else
+            f"compiled {lead['compiled']} and loaded {lead['hits']} FX graphs")
+    text = f"rank {leader} {what} ({lead['graphs']} Dynamo graphs, {lead['seconds']:.1f} s)"
     followers = [r for r in everyone if r["leader"] == leader and r["rank"] != leader]
     if followers:
         text += (f"; rank(s) {_ranks([r['rank'] for r in followers])} loaded {sum(r['hits'] for r in followers)} "
