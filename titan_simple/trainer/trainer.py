@@ -37,6 +37,7 @@ from titan_simple.trainer.profiling import Profiler
 from titan_simple.trainer.replica_state import Progress, ReplicaState
 from titan_simple.trainer.run_status import RunStatus
 from titan_simple.trainer.validation import Validator
+from titan_simple.trainer.wandb_run import wandb_options
 
 logger = logging.getLogger("titan_simple")
 
@@ -144,6 +145,7 @@ class Trainer:
             save_tb_folder=config.metrics.save_tb_folder,
             # float8 matmuls run at twice bf16's peak; MFU counts the model's FLOPs against bf16's (plan line too)
             mfu_note=" (float8 run, of the bf16 peak)" if self.plan.float8 is not None else "",
+            wandb=wandb_options(config) if config.metrics.enable_wandb else None,
         )
         self.memory = MemoryMonitor(self.device)
         self.validator = Validator(
