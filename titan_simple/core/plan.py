@@ -40,7 +40,6 @@ from titan_simple.parallel.dims import ParallelDims, validate_parallelism
 from titan_simple.parallel.parallelize import ParallelPlan
 from titan_simple.parallel.pipeline import ZERO_BUBBLE_SCHEDULES, PipelinePlan, plan_pipeline
 from titan_simple.parallel.tensor_parallel import local_linear_shape
-from titan_simple.trainer.metrics import check_metrics_packages
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +177,6 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     validate_parallelism(dims, model_args, config)
     check_initial_weights(config, model_args)
     check_profiling(config, world_size, device_type)
-    check_metrics_packages(config)
     float8 = plan_float8(config.model.converters, config.float8, model_args, device_type, config.dry_run.enable,
                          local_shape=local_linear_shape(dims.tp) if dims.tp > 1 else None)
     pipeline = plan_pipeline(config, model_args.n_layers, dims.pp) if dims.pp > 1 else None

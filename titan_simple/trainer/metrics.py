@@ -335,10 +335,8 @@ TENSORBOARD_HINT = "pip install tensorboard, or pass --metrics.enable_tensorboar
 
 
 def check_metrics_packages(config: JobConfig) -> None:
-    """The packages the ``[metrics]`` sinks need, checked without importing them while the plan is resolved, before
-    anything is built. A dry run or a precompile logs no metrics: it needs neither."""
-    if config.dry_run.enable or config.compile.precompile_world_size:
-        return
+    """The packages the ``[metrics]`` sinks need, checked without importing them, by the trainer right after the
+    plan, before anything is built (a dry run or a precompile logs no metrics: it needs neither)."""
     if config.metrics.enable_tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError(f"[metrics] enable_tensorboard = true needs the tensorboard package; {TENSORBOARD_HINT}.")
     if config.metrics.enable_wandb:

@@ -31,6 +31,7 @@ from titan_simple.trainer.metrics import (
     MemoryMonitor,
     MetricsLogger,
     StepTimer,
+    check_metrics_packages,
     global_avg_and_max,
 )
 from titan_simple.trainer.profiling import Profiler
@@ -73,6 +74,7 @@ class Trainer:
         """Every decision and every check that needs no communication, before the process group exists."""
         config = self.config
         self.plan = resolve_plan(config, self.dist.world_size, self.device.type)
+        check_metrics_packages(config)  # tensorboard, wandb: installed? (imported only when the logger is built)
         self.dims = self.plan.dims
         # Fault tolerance: one replica group of several; its lighthouse is checked before anything expensive.
         self.lighthouse = check_fault_tolerance(config, self.dims) if config.fault_tolerance.enable else None
