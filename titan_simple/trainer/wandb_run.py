@@ -62,7 +62,7 @@ class WandbRun:
     """
 
     def __init__(self, dump_folder: str, options: WandbOptions) -> None:
-        import wandb  # here only: the import costs ~1.7 s, paid by the runs that enable W&B (docs/benchmarks.md)
+        import wandb  # here only: importing wandb 0.29 takes ~1.7 s, paid only by the runs that enable W&B
 
         self._wandb = wandb
         self.dump_folder = dump_folder
