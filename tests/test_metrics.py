@@ -321,3 +321,39 @@ def test_a_float8_runs_step_line_says_which_peak_its_mfu_is_against():
     assert "mfu 52.5% (float8 run, of the bf16 peak)" in _format_console_line(
         3, metrics, 10, None, mfu_note=" (float8 run, of the bf16 peak)")
     assert _format_console_line(3, metrics, 10, None).endswith("mfu 52.5%")
+
+
+def test_nothing_is_written_before_the_first_log(tmp_path):
+    """A run that fails before its first logged step leaves no metrics.jsonl and no TensorBoard folder; the first
+    log opens both, in a dump folder that did not exist yet."""
+    dump = tmp_path / "dump"
+    unused = MetricsLogger(str(dump), rank=0, enable_tensorboard=True, run_name="run")
+    unused.close(failed=True)
+    assert not dump.exists()
+    with pytest.raises(RuntimeError, match="after close"):
+        unused.log(1, {AVG_LOSS: 1.0})
+    assert not dump.exists()
+
+    with MetricsLogger(str(dump), rank=0, enable_tensorboard=True, run_name="run") as metrics_logger:
+        assert not dump.exists()
+        metrics_logger.log(3, {AVG_LOSS: 2.5})
+    assert [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()] == [
+        {"step": 3, AVG_LOSS: 2.5}]
+    events = EventAccumulator(str(dump / "tb" / "run"))
+    events.Reload()
+    assert [(s.step, s.value) for s in events.Scalars(AVG_LOSS)] == [(3, 2.5)]
+
+
+def test_a_missing_tensorboard_is_one_line(monkeypatch):
+    from titan_simple.config import load_job_config
+    from titan_simple.errors import ConfigError
+
+    real = metrics_module.importlib.util.find_spec
+    monkeypatch.setattr(metrics_module.importlib.util, "find_spec",
+                        lambda name, *args: None if name == "tensorboard" else real(name, *args))
+    config = load_job_config(["--config", "llama3_debug.toml"])
+    with pytest.raises(ConfigError, match=r"needs the tensorboard package; pip install tensorboard, or pass "
+                                          r"--metrics.enable_tensorboard=false\.$"):
+        metrics_module.check_metrics_packages(config)
+    config.metrics.enable_tensorboard = False
+    metrics_module.check_metrics_packages(config)

@@ -42,7 +42,9 @@ def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> A
 
 @dataclass
 class Job:
-    dump_folder: str = option("./outputs", "Folder for everything a run writes: metrics, TensorBoard, checkpoints.")
+    dump_folder: str = option(
+        "./outputs", "Folder for everything a run writes: metrics, TensorBoard, W&B, checkpoints."
+    )
     description: str = option("", "Free text describing the run, printed at start-up.")
 
 
@@ -347,6 +349,20 @@ class Metrics:
     log_freq: int = option(10, "Log metrics every this many steps (and at the first and last step).")
     enable_tensorboard: bool = option(True, "Write TensorBoard event files.")
     save_tb_folder: str = option("tb", "TensorBoard folder under dump_folder.")
+    enable_wandb: bool = option(
+        False, "Also log to Weights & Biases (pip install -e '.[wandb]'): the same values at the same steps as "
+        "TensorBoard, from rank 0, with the job config as the run's config. The run's id is kept in "
+        "<dump_folder>/wandb_run_id: a run resumed from a checkpoint continues that W&B run (steps it already holds "
+        "stay as they were), a run from step 1 starts a new one; WANDB_RUN_ID wins over both. Files go to "
+        "<dump_folder>/wandb (or WANDB_DIR); WANDB_MODE=offline keeps them there for `wandb sync`. One log line says "
+        "where the run is; WANDB_SILENT=false brings back wandb's own output."
+    )
+    wandb_project: str = option(
+        "", "W&B project; '' = the WANDB_PROJECT environment variable, else 'titan_simple'. Like the other wandb_* "
+        "keys, a value set here wins over its environment variable (as wandb.init's arguments do)."
+    )
+    wandb_entity: str = option("", "W&B entity (user or team); '' = WANDB_ENTITY, else your default entity.")
+    wandb_run_name: str = option("", "W&B run's display name; '' = WANDB_NAME, else a name W&B makes up.")
 
 
 @dataclass

@@ -1,13 +1,14 @@
 """Training metrics: throughput and MFU, memory, distributed loss reduction, and the logger that writes
-them to the console, ``metrics.jsonl`` and TensorBoard.
+them to the console, ``metrics.jsonl``, TensorBoard and Weights & Biases.
 
 A metric has one name everywhere: the key of the dict passed to :meth:`MetricsLogger.log` is the
-TensorBoard tag and the JSONL field (the constants below).
+TensorBoard tag, the JSONL field and the W&B key (the constants below).
 """
 
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import json
 import logging
 import math
@@ -18,12 +19,16 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from titan_simple.errors import ConfigError
+
+if TYPE_CHECKING:
+    from titan_simple.config import JobConfig
+    from titan_simple.trainer.wandb_run import WandbOptions, WandbRun
 
 logger = logging.getLogger(__name__)
 
@@ -326,12 +331,39 @@ def _format_console_line(
     return " | ".join(parts)
 
 
+TENSORBOARD_HINT = "pip install tensorboard, or pass --metrics.enable_tensorboard=false"
+
+
+def check_metrics_packages(config: JobConfig) -> None:
+    """The packages the ``[metrics]`` sinks need, checked without importing them, by the trainer right after the
+    plan, before anything is built (a dry run or a precompile logs no metrics: it needs neither)."""
+    if config.metrics.enable_tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(f"[metrics] enable_tensorboard = true needs the tensorboard package; {TENSORBOARD_HINT}.")
+    if config.metrics.enable_wandb:
+        from titan_simple.trainer.wandb_run import check_installed
+
+        check_installed()
+
+
+def _import_summary_writer() -> Any:
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as error:
+        raise ConfigError(
+            f"[metrics] enable_tensorboard = true needs the tensorboard package; {TENSORBOARD_HINT}."
+        ) from error
+    return SummaryWriter
+
+
 class MetricsLogger:
     """Writes each logged step to the console, ``<dump_folder>/metrics.jsonl`` (one JSON object per step,
-    with ``"step"``) and TensorBoard (``<dump_folder>/<save_tb_folder>/<run_name or timestamp>``).
+    with ``"step"``), TensorBoard (``<dump_folder>/<save_tb_folder>/<run_name or timestamp>``) and, with ``wandb``
+    options, a Weights & Biases run (``trainer/wandb_run.py``): the same keys and values at the same steps.
 
     Only ``rank == log_rank`` writes anything; on the other ranks every method is a no-op, so callers need
-    no rank checks. Files are flushed at every :meth:`log`, so a crash loses nothing already logged.
+    no rank checks. The files and the W&B run are opened at the first :meth:`log`, not before: a run that fails
+    before logging anything leaves none of them behind (the packages are imported here, so a broken install still
+    fails at start-up). Files are flushed at every :meth:`log`, so a crash loses nothing already logged.
     Non-finite values are written to JSONL as ``NaN`` / ``Infinity`` (Python's json reads them back).
     """
 
@@ -345,29 +377,40 @@ class MetricsLogger:
         save_tb_folder: str = "tb",
         run_name: str | None = None,
         mfu_note: str = "",
+        wandb: WandbOptions | None = None,
     ) -> None:
         self.enabled = rank == log_rank
         self.mfu_note = mfu_note
+        self.dump_folder = dump_folder
         self.jsonl_path = os.path.join(dump_folder, "metrics.jsonl")
         self.tb_folder: str | None = None
         self._jsonl: IO[str] | None = None
         self._tb_writer: Any = None
+        self._summary_writer: Any = None  # torch's SummaryWriter class, when TensorBoard is on
+        self._wandb: WandbRun | None = None
+        self._state = "new"  # "new" until the first log() opens the sinks, then "open", then "closed"
         if not self.enabled:
             return
-        os.makedirs(dump_folder, exist_ok=True)
-        self._jsonl = open(self.jsonl_path, "a")  # closed in close()
         if enable_tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as error:
-                self._jsonl.close()
-                raise ConfigError(
-                    "[metrics] enable_tensorboard = true needs the tensorboard package; "
-                    "pip install tensorboard, or pass --metrics.enable_tensorboard=false."
-                ) from error
+            self._summary_writer = _import_summary_writer()
+            # The start time names the folder, created at the first log.
             run_name = run_name or datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
             self.tb_folder = os.path.join(dump_folder, save_tb_folder, run_name)
-            self._tb_writer = SummaryWriter(log_dir=self.tb_folder)
+        if wandb is not None:
+            from titan_simple.trainer.wandb_run import WandbRun  # wandb only when enabled
+
+            self._wandb = WandbRun(dump_folder, wandb)
+
+    def _open(self, step: int) -> None:
+        """The sinks, at the first logged ``step``: the W&B run first (the one that can fail: a login, the
+        network), then the files."""
+        os.makedirs(self.dump_folder, exist_ok=True)
+        if self._wandb is not None:
+            self._wandb.open(first_step=step)
+        self._jsonl = open(self.jsonl_path, "a")  # closed in close()
+        if self._summary_writer is not None:
+            self._tb_writer = self._summary_writer(log_dir=self.tb_folder)
+        self._state = "open"
 
     def log(
         self,
@@ -381,27 +424,39 @@ class MetricsLogger:
         decorate the console line."""
         if not self.enabled:
             return
+        if self._state == "closed":
+            raise RuntimeError("MetricsLogger.log() called after close()")
         values = {key: float(value) for key, value in metrics.items()}
         logger.info(_format_console_line(step, values, total_steps, eta_seconds, self.mfu_note))
-        if self._jsonl is None:
-            raise RuntimeError("MetricsLogger.log() called after close()")
+        if self._state == "new":
+            self._open(step)
+        assert self._jsonl is not None
         self._jsonl.write(json.dumps({"step": step, **values}) + "\n")
         self._jsonl.flush()
         if self._tb_writer is not None:
             for tag, value in values.items():
                 self._tb_writer.add_scalar(tag, value, step)
             self._tb_writer.flush()
+        if self._wandb is not None:
+            self._wandb.log(step, values)
 
-    def close(self) -> None:
+    def close(self, failed: bool | None = None) -> None:
+        """Close what :meth:`log` opened. ``failed`` marks the W&B run failed; None: whether an exception is
+        propagating through the caller (the trainer closes in a ``finally``)."""
+        if failed is None:
+            failed = sys.exc_info()[0] is not None
+        if self._wandb is not None:
+            self._wandb.close(failed)
         if self._tb_writer is not None:
             self._tb_writer.close()
             self._tb_writer = None
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
+        self._state = "closed"
 
     def __enter__(self) -> MetricsLogger:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        self.close(failed=exc_type is not None)

@@ -31,12 +31,14 @@ from titan_simple.trainer.metrics import (
     MemoryMonitor,
     MetricsLogger,
     StepTimer,
+    check_metrics_packages,
     global_avg_and_max,
 )
 from titan_simple.trainer.profiling import Profiler
 from titan_simple.trainer.replica_state import Progress, ReplicaState
 from titan_simple.trainer.run_status import RunStatus
 from titan_simple.trainer.validation import Validator
+from titan_simple.trainer.wandb_run import wandb_options
 
 logger = logging.getLogger("titan_simple")
 
@@ -72,6 +74,7 @@ class Trainer:
         """Every decision and every check that needs no communication, before the process group exists."""
         config = self.config
         self.plan = resolve_plan(config, self.dist.world_size, self.device.type)
+        check_metrics_packages(config)  # tensorboard, wandb: installed? (imported only when the logger is built)
         self.dims = self.plan.dims
         # Fault tolerance: one replica group of several; its lighthouse is checked before anything expensive.
         self.lighthouse = check_fault_tolerance(config, self.dims) if config.fault_tolerance.enable else None
@@ -144,6 +147,7 @@ class Trainer:
             save_tb_folder=config.metrics.save_tb_folder,
             # float8 matmuls run at twice bf16's peak; MFU counts the model's FLOPs against bf16's (plan line too)
             mfu_note=" (float8 run, of the bf16 peak)" if self.plan.float8 is not None else "",
+            wandb=wandb_options(config) if config.metrics.enable_wandb else None,
         )
         self.memory = MemoryMonitor(self.device)
         self.validator = Validator(
