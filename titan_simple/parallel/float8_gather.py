@@ -204,11 +204,12 @@ def refresh_float8_weights(parts: Iterable[nn.Module]) -> None:
     cast its shard with it into ``float8_weight_bits``. Call it whenever the weights changed (after the optimizer
     step or a checkpoint load) and before the forward: the trainer does it at the start of each step and of each
     validation. Casting once per step, not at each gather, also spares the backward's recomputed gathers the cast."""
-    from torchao.float8.float8_utils import amax_to_scale  # noqa: PLC0415 -- an optional dependency
-
     by_groups: dict[tuple[str, ...], list[nn.Module]] = {}
     for module in float8_gathered_modules(parts):
         by_groups.setdefault(module._gather_specs["weight"].float8.amax_groups, []).append(module)
+    if not by_groups:  # no float8 gathers: a run without float8 never imports torchao (its import logs noise)
+        return
+    from torchao.float8.float8_utils import amax_to_scale  # noqa: PLC0415 -- an optional dependency
     for groups, modules in by_groups.items():
         shards = [m._parameters["weight"].to_local() for m in modules]
         dtypes = [m._gather_specs["weight"].float8.dtype for m in modules]
