@@ -130,6 +130,9 @@ def test_help_lists_every_key_with_default():
                 "--compile.enable", "--lr_scheduler.min_lr_factor"):
         assert key in text
     assert "default 8" in text
+    # compile once: what makes ranks share graphs, not "rank 0 compiles" (several do under TP, CP or HSDP)
+    once = text[text.index("--compile.compile_on_one_rank"):text.index("--compile.precompile_world_size")]
+    assert "same process group in every other mesh dimension" in " ".join(once.split())
 
 
 def test_train_py_reports_one_line_and_exit_code_2():

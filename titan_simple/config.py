@@ -306,11 +306,14 @@ class Compile:
         "can read. An explicit TORCHINDUCTOR_CACHE_DIR in the environment wins."
     )
     compile_on_one_rank: bool = option(
-        True, "In a multi-rank job, each graph is compiled once: rank 0 (under pipeline parallel, each stage's "
-        "first rank) compiles it into the compile cache folder and the other ranks load it from there, so that "
-        "folder must be one every rank reads (cache_dir; a rank that cannot see it compiles its own, with a "
-        "warning). false: every rank compiles the same graphs itself. One line after step 1 says who compiled "
-        "and who loaded what."
+        True, "In a multi-rank job, each graph is compiled once per class of ranks with the same graphs: the same "
+        "pipeline stage and the same process group in every other mesh dimension (a compiled graph names the "
+        "groups of its collectives). The lowest rank of each class compiles into the compile cache folder and "
+        "the others load from there: data parallel alone is one class (rank 0 compiles), pipeline parallel one "
+        "per stage, while tensor and context parallel and HSDP put ranks in different groups, so several ranks "
+        "compile. The folder must be one every rank reads (cache_dir; a rank that "
+        "cannot see it compiles its own, with a warning). false: every rank compiles its graphs itself. One line "
+        "after step 1 says who compiled and who loaded what."
     )
     precompile_world_size: int = option(
         0, "Compile ahead instead of training: from this one process, write the graphs of a job of this many "
