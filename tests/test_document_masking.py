@@ -202,3 +202,6 @@ def test_bad_attention_settings_are_one_line_each(tmp_path):
     assert plan.attention.eos_id == EOS and "attention: block-causal (documents end at EOS id 1), sdpa" in "\n".join(
         plan.describe())
     assert "attention" not in "\n".join(resolve_plan(load_job_config([]), 1, "cpu").describe())
+    dry = resolve_plan(load_job_config([*BLOCK_CAUSAL, "--dry_run"]), 1, "cpu")  # reads no tokenizer: no "id None"
+    assert dry.attention.eos_id is None and ("block-causal (documents end at the tokenizer's EOS, which a dry run does "
+                                             "not read: it prices the mask as causal)") in "\n".join(dry.describe())

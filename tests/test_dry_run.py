@@ -221,6 +221,8 @@ def test_collective_counts_match_a_real_two_process_run(runs):
     for c in report["collectives_per_step"]:
         predicted[f"{c['kind']}/{c['dtype']}"] += c["count"]
     assert dict(predicted) == measured["collective_counts"]
+    assert {c["link"] for c in report["collectives_per_step"]} == {"gloo"}  # CPU processes: no NVLink
+    assert "tp(2,gloo)" in proc.stdout + proc.stderr
 
 
 @uses("405b")

@@ -57,6 +57,7 @@ class DeviceSpec:
     runtime_bytes: float = 0.0  # CUDA context + NCCL buffers, outside the allocator
     float8_peak_flops: float | None = None  # dense float8 (e4m3) matmul FLOP/s; None: no float8 matmuls
     float8_matmul_efficiency: float = 0.70  # float8 GEMMs (torch._scaled_mm); GPUs: FLOAT8_MATMUL_EFFICIENCY, fitted
+    intra_node_link: str = "NVLink"  # what the printout calls a link within a node
 
 
 # Fitted on the SimpleFSDP 8B run (module docstring): 7,227 / 8,535 and 40.96 / 37.0 - 1.
@@ -101,7 +102,7 @@ def measure_cpu(world_size: int, collective_bandwidth: float | None = None) -> D
     return DeviceSpec(f"CPU ({threads} threads/process, measured)", flops, bandwidth, float(memory), link, link,
                       gpus_per_node=1 << 20, matmul_efficiency=1.0, attention_efficiency=1.0,
                       memory_efficiency=1.0, collective_efficiency=1.0, collective_latency=100e-6,
-                      kernel_overhead=10e-6)
+                      kernel_overhead=10e-6, intra_node_link="gloo")
 
 
 def device_spec(name: str, world_size: int = 1, **overrides: float) -> DeviceSpec:

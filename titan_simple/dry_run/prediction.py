@@ -346,7 +346,7 @@ def _collective_rows(m: Measured, run: RunPlan, spec: DeviceSpec, world: int) ->
     mdims = mesh_dims(run.dims, spec.gpus_per_node)
     return [
         {"mesh_dim": d, "size": mdims[d].size if d in mdims else world,
-         "link": ("NVLink" if mdims[d].intra_node else "inter-node") if d in mdims else "?", "kind": k,
+         "link": (spec.intra_node_link if mdims[d].intra_node else "inter-node") if d in mdims else "?", "kind": k,
          "dtype": dt, "count": int(v["count"]), "bytes": int(v["bytes"]), "seconds": v["seconds"],
          # What [compile] bucketing = "transformer_block" merges them into (one collective per bucket).
          "count_bucketed": (int(v["once"]) + round((v["count"] - v["once"]) * m.buckets / m.parameter_tensors)

@@ -140,5 +140,7 @@ class AttentionPlan:
         return {"document_ids": document_ids(tokens, self.eos_id)}
 
     def describe(self) -> str:
-        mask = f"block-causal (documents end at EOS id {self.eos_id})" if self.mask == "block_causal" else "causal"
+        ends = (f"EOS id {self.eos_id}" if self.eos_id is not None else
+                "the tokenizer's EOS, which a dry run does not read: it prices the mask as causal")
+        mask = f"block-causal (documents end at {ends})" if self.mask == "block_causal" else "causal"
         return f"attention: {mask}, {self.kernel}"
