@@ -7,10 +7,13 @@ them with what another layout loads.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -20,19 +23,31 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 
+import train
 from tests.distributed_utils import run_on_ranks
+from titan_simple import generate as generation
 from titan_simple.config import load_job_config
 from titan_simple.core.step import StepHooks
 from titan_simple.errors import CheckpointError, ConfigError
+from titan_simple.models.hf_files import INDEX, WEIGHTS
 from titan_simple.models.hf_llama import (
     from_hf_name,
     half_split_to_interleaved,
     interleaved_to_half_split,
     is_hf_folder,
+    model_args_from_hf,
     save_hf,
     to_hf_name,
 )
-from titan_simple.models.llama3 import ModelArgs, Transformer, apply_rotary_emb, build_model, precompute_freqs_cis
+from titan_simple.models.llama3 import (
+    LLAMA3_FLAVORS,
+    ModelArgs,
+    Transformer,
+    apply_rotary_emb,
+    build_model,
+    precompute_freqs_cis,
+)
+from titan_simple.models.rope import LLAMA31_ROPE, LLAMA32_ROPE
 from titan_simple.parallel.simple_fsdp import sharded_parameters
 from titan_simple.trainer.checkpoint import (
     MARKER,
@@ -41,9 +56,16 @@ from titan_simple.trainer.checkpoint import (
     find_checkpoint,
     load_model_weights,
 )
+from titan_simple.trainer.checkpoint_files import (
+    commit_step,
+    fresh_partial_folder,
+    partial_folder,
+    single_process_is_fine,
+)
 from titan_simple.trainer.distributed import DistInfo
 from titan_simple.trainer.trainer import Trainer
 
+REPO = Path(__file__).resolve().parent.parent
 TINY = ["--config", "llama3_debug.toml", "--training.seq_len", "32", "--training.local_batch_size", "2",
         "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.decay_ratio", "0.5", "--metrics.log_freq", "100",
         "--metrics.enable_tensorboard", "false"]
@@ -147,7 +169,8 @@ def test_corrupt_or_mismatched_checkpoints_fail_with_one_line(tmp_path):
     load_model_weights(str(step), plain)  # fine before we break it
 
     other_flavor = build_model("debugmodel_large", max_seq_len=32, device="cpu")
-    with pytest.raises(ConfigError, match=r"does not match the model: .*shape mismatch .*check \[model\] flavor"):
+    with pytest.raises(ConfigError, match=r"does not match the model: .*shape mismatch .*build the model it was saved "
+                                          r"by: --model.flavor debugmodel\.$"):
         load_model_weights(str(step), other_flavor)
 
     (shard,) = step.glob("*.distcp")
@@ -276,6 +299,180 @@ def test_hf_export_import_round_trip_gives_identical_weights_and_logits(tmp_path
     from_dcp = make_trainer(tmp_path / "from_dcp", "--checkpoint.initial_load_path", str(step), steps=1)
     assert_same_weights(full_weights(from_hf), full_weights(from_dcp))
     assert from_hf.train() == from_dcp.train()
+
+
+# ------------------------------------------------------------------------ Hugging Face folders: one whole weight set
+
+
+def tiny_model(seed: int, args: ModelArgs | None = None) -> Transformer:
+    torch.manual_seed(seed)
+    return Transformer(args or tiny_args())
+
+
+def tiny_step(folder: Path, model: Transformer, choice: dict | None = None) -> Path:
+    """A step folder as the trainer commits it (DCP "model" entries and complete.json), without a trainer."""
+    fresh_partial_folder(folder, 1)
+    with single_process_is_fine():
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(partial_folder(folder, 1)), no_dist=True)
+    marker = {"step": 1, "model_only": True, "model_args": dataclasses.asdict(model.args), "special_tokens": {}}
+    return commit_step(folder, 1, {**marker, **({"model": choice} if choice else {})})
+
+
+def loaded_weights(folder: Path, args: ModelArgs | None = None) -> dict[str, torch.Tensor]:
+    model = Transformer(args or tiny_args())
+    load_model_weights(str(folder), model)
+    return dict(model.named_parameters())
+
+
+def names_in(folder: Path) -> list[str]:
+    return sorted(entry.name for entry in folder.iterdir())
+
+
+def run_export_script(*argv: str) -> int:
+    spec = importlib.util.spec_from_file_location("export_hf_script", REPO / "scripts" / "export_hf.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script.main(list(argv))
+
+
+def test_an_export_replaces_a_sharded_folders_whole_weight_set_and_keeps_its_other_files(tmp_path, capsys):
+    """An export into a folder of shards used to leave them and their index next to the new model.safetensors:
+    transformers loaded the new weights, our loader (the index first) silently the old."""
+    old, new = tiny_model(0), tiny_model(1)
+    folder = tmp_path / "hf"
+    save_hf(old.state_dict(), old.args, folder, max_shard_bytes=4096)
+    assert len(list(folder.glob("model-*-of-*.safetensors"))) > 1 and (folder / INDEX).is_file()
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "original").mkdir()
+    (folder / "original" / "params.json").write_text("{}")
+
+    assert run_export_script("--checkpoint", str(tiny_step(tmp_path / "checkpoint", new)), "--output",
+                             str(folder)) == 0, capsys.readouterr().err
+    assert names_in(folder) == ["config.json", "model.safetensors", "original", "tokenizer.json"]
+    assert (folder / "original" / "params.json").read_text() == "{}"
+    assert names_in(tmp_path) == ["checkpoint", "hf"]  # no partial or replaced folder left
+    assert_same_weights(loaded_weights(folder), dict(new.named_parameters()))
+
+    save_hf(old.state_dict(), old.args, folder, max_shard_bytes=4096)  # and back to shards: no model.safetensors
+    assert WEIGHTS not in names_in(folder) and "tokenizer.json" in names_in(folder)
+    assert_same_weights(loaded_weights(folder), dict(old.named_parameters()))
+
+
+def test_an_export_that_fails_or_was_interrupted_leaves_the_old_folder_whole(tmp_path):
+    old, new = tiny_model(0), tiny_model(1)
+    folder = tmp_path / "hf"
+    save_hf(old.state_dict(), old.args, folder, max_shard_bytes=4096)
+    before = {name: (folder / name).read_bytes() for name in names_in(folder)}
+
+    def failing():  # the disk fills after the first tensor
+        yield next(iter(new.state_dict().items()))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        save_hf(failing(), new.args, folder)
+    assert {name: (folder / name).read_bytes() for name in names_in(folder)} == before
+    assert names_in(tmp_path) == ["hf"]
+
+    # Killed between its two renames: the old folder is under .hf.export-replaced, the next export puts it back.
+    (folder / "tokenizer.json").write_text("{}")
+    folder.rename(tmp_path / ".hf.export-replaced")
+    save_hf(new.state_dict(), new.args, folder)
+    assert names_in(folder) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert names_in(tmp_path) == ["hf"]
+
+
+def test_an_export_refuses_a_file_a_dcp_checkpoint_and_a_folder_holding_its_source(tmp_path, capsys):
+    model = tiny_model(0)
+    step = tiny_step(tmp_path / "run" / "checkpoint", model)
+    file = tmp_path / "file"
+    file.write_text("keep")
+    for output, problem in ((file, "is a file"), (step, "holds a DCP checkpoint"),
+                            (step.parent, "holds a DCP checkpoint"), (tmp_path / "run", "holds the checkpoint")):
+        assert run_export_script("--checkpoint", str(step), "--output", str(output)) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: Hugging Face export target") and err.count("\n") == 1, err
+        assert problem in err, err
+    assert file.read_text() == "keep"
+    assert_same_weights(loaded_weights(step), dict(model.named_parameters()))  # untouched
+
+
+def test_the_loader_refuses_a_folder_of_two_weight_sets_or_a_set_that_is_not_whole(tmp_path):
+    old, new = tiny_model(0), tiny_model(1)
+    folder = tmp_path / "hf"
+    save_hf(old.state_dict(), old.args, folder, max_shard_bytes=4096)
+    shards = sorted(p.name for p in folder.glob("model-*.safetensors"))
+
+    shutil.copy(save_hf(new.state_dict(), new.args, tmp_path / "new") / WEIGHTS, folder)  # as exports used to leave it
+    with pytest.raises(ConfigError, match=rf"^Hugging Face weights {folder} hold two weight sets: {WEIGHTS} besides "
+                                          rf"the shards {INDEX} lists; delete the stale set's files") as error:
+        load_model_weights(str(folder), Transformer(tiny_args()))
+    assert "\n" not in str(error.value)
+    (folder / WEIGHTS).unlink()
+
+    shutil.copy(folder / shards[0], folder / "model-00001-of-00099.safetensors")  # a shard of another set
+    with pytest.raises(ConfigError, match=r"hold two weight sets: model-00001-of-00099.safetensors besides"):
+        load_model_weights(str(folder), Transformer(tiny_args()))
+    (folder / "model-00001-of-00099.safetensors").unlink()
+
+    (folder / INDEX).rename(tmp_path / "index")
+    with pytest.raises(ConfigError, match=rf"model-00001-of-.* without {INDEX} or {WEIGHTS}; copy the index in"):
+        load_model_weights(str(folder), Transformer(tiny_args()))
+    (tmp_path / "index").rename(folder / INDEX)
+    assert_same_weights(loaded_weights(folder), dict(old.named_parameters()))
+
+
+def test_a_folder_without_safetensors_or_with_a_broken_file_fails_in_one_line_before_a_model_is_built(
+        tmp_path, capsys, monkeypatch):
+    args = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], n_layers=1)
+    good = save_hf(tiny_model(0, args).state_dict(), args, tmp_path / "good", max_shard_bytes=2_000_000)
+    shard = sorted(good.glob("model-*.safetensors"))[1].name
+    folders = {name: shutil.copytree(good, tmp_path / name) for name in ("bin", "truncated", "missing")}
+    for file in folders["bin"].glob("*.safetensors*"):
+        file.unlink()
+    torch.save({}, folders["bin"] / "pytorch_model.bin")
+    (folders["truncated"] / shard).write_bytes((good / shard).read_bytes()[:-100])
+    (folders["missing"] / shard).unlink()
+    messages = {
+        "bin": f"{folders['bin']} is a Hugging Face folder without safetensors (pytorch_model.bin); titan_simple reads "
+               f"safetensors only. Convert it with transformers: LlamaForCausalLM.from_pretrained(",
+        "truncated": "the file is truncated or corrupt: download or export it again.",
+        "missing": f"{INDEX} lists {shard}, which the folder lacks",
+    }
+    config = load_job_config([*TINY, "--model.n_layers", "1"])
+    monkeypatch.setattr(generation, "Transformer", None)  # building the model would fail: it must not be reached
+    for name, folder in folders.items():
+        dump = tmp_path / f"dump_{name}"
+        code = train.main([*TINY, "--model.n_layers", "1", "--training.steps", "1", "--checkpoint.initial_load_path",
+                           str(folder), "--job.dump_folder", str(dump)])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and messages[name] in err, err
+        assert not dump.exists()  # refused while the plan was made: nothing built, nothing written
+        with pytest.raises(ConfigError, match=re.escape(messages[name])):
+            load_model_weights(str(folder), Transformer(args))
+        with pytest.raises(ConfigError, match=re.escape(messages[name])):
+            generation.load_model_for_generation(config, str(folder), device=torch.device("cpu"))
+
+
+def test_exports_write_metas_context_or_the_imported_one_and_honour_or_refuse_max_seq_len(tmp_path, capsys):
+    """max_position_embeddings used to be factor x 8192: 65536 for a Llama 3.1 model, 262144 for a 3.2 one; Meta
+    writes 131072 for both. A folder's own value, imported with it, is written back."""
+    for rope in (LLAMA31_ROPE, LLAMA32_ROPE):
+        args = dataclasses.replace(tiny_args(), rope_scaling=rope)
+        written = save_hf(tiny_model(0, args).state_dict(), args, tmp_path / f"x{rope.factor:g}")
+        assert json.loads((written / "config.json").read_text())["max_position_embeddings"] == 131072
+    folder_config = {**json.loads((tmp_path / "x8" / "config.json").read_text()), "max_position_embeddings": 32768}
+    imported = model_args_from_hf(folder_config, "a Llama 3.1 folder", max_seq_len=8)
+    plain = dataclasses.replace(imported, max_position_embeddings=None)
+    assert imported.max_position_embeddings == 32768
+    assert imported == plain and repr(imported) == repr(plain)  # computes the same, fingerprints the same
+    step = tiny_step(tmp_path / "checkpoint", tiny_model(0, imported))  # complete.json carries it
+    for extra, written in (((), 32768), (("--max_seq_len", "20000"), 20000)):
+        assert run_export_script("--checkpoint", str(step), "--output", str(tmp_path / "out"), *extra) == 0
+        assert json.loads((tmp_path / "out" / "config.json").read_text())["max_position_embeddings"] == written
+    assert run_export_script("--checkpoint", str(step), "--output", str(tmp_path / "out"), "--max_seq_len", "1000") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--max_seq_len 1000: the model's RoPE is scaled from an original context of " \
+        "8192, and transformers needs max_position_embeddings above it; pass more than 8192" in err, err
 
 
 # ------------------------------------------------------------------------------------ several processes

@@ -3,7 +3,10 @@ process and continued."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import json
+import logging
 import os
 import subprocess
 import sys
@@ -14,8 +17,12 @@ import torch
 
 from titan_simple.config import load_job_config
 from titan_simple.data.tokenizer import Tokenizer
+from titan_simple.errors import ConfigError
 from titan_simple.generate import generate, load_model_for_generation, sample_next_token
-from titan_simple.models.llama3 import KVCache, build_model
+from titan_simple.models.hf_llama import hf_config
+from titan_simple.models.llama3 import LLAMA3_FLAVORS, KVCache, build_model
+from titan_simple.models.rope import LLAMA31_ROPE
+from titan_simple.trainer.checkpoint import export_hf, load_model_weights
 from titan_simple.trainer.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -144,3 +151,89 @@ def test_script_reports_a_checkpoint_of_another_flavor_in_one_line(trained, caps
     stderr = capsys.readouterr().err
     assert code == 2
     assert stderr.startswith("error: checkpoint") and stderr.count("\n") == 1, stderr
+
+
+# ------------------------------------------------------------------ the model a checkpoint records (complete.json)
+
+
+def _generate_script():
+    spec = importlib.util.spec_from_file_location("generate_script", REPO / "scripts" / "generate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def _train_one_step(dump: Path, *extra: str) -> Path:
+    config = load_job_config([*TINY, "--training.steps", "1", "--checkpoint.last_save_in_hf=false",
+                              "--job.dump_folder", str(dump), *extra])
+    Trainer(config).train()
+    return dump / "checkpoint" / "step-1"
+
+
+@pytest.fixture(scope="module")
+def tied_step(tmp_path_factory) -> Path:
+    """A one-block debugmodel_tied run's checkpoint (tied embeddings, RoPE scaled 32x)."""
+    return _train_one_step(tmp_path_factory.mktemp("tied"), "--model.flavor", "debugmodel_tied",
+                           "--model.n_layers", "1")
+
+
+def test_a_tied_checkpoint_is_refused_by_an_untied_model_naming_the_flavor_it_was_saved_with(tied_step, capsys):
+    """It used to load into --model.flavor debugmodel (untied, unscaled RoPE) without a word."""
+    code = _generate_script().main(["--config", "llama3_debug.toml", "--model.n_layers", "1", "--checkpoint",
+                                    str(tied_step), "--prompt", PROMPT])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: checkpoint {tied_step} was saved by a model that computes otherwise: ") and \
+        "tie_word_embeddings True (this run: False)" in err, err
+    assert err.endswith("build the model it was saved by: --model.flavor debugmodel_tied.\n"), err
+    with pytest.raises(ConfigError, match=r"tie_word_embeddings True \(this run: False\).*--model.flavor "
+                                          r"debugmodel_tied --model.n_layers 1\.$"):  # no config: every key it took
+        load_model_weights(str(tied_step), build_model("debugmodel", n_layers=1, device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def hf_config_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(the folder, the checkpoint) of a one-block run built by [model] hf_config from a Llama 3.1-style config.json
+    (RoPE scaled 8x) that declares 32768 positions."""
+    root = tmp_path_factory.mktemp("hf_config")
+    args = dataclasses.replace(LLAMA3_FLAVORS["debugmodel"], n_layers=1, rope_scaling=LLAMA31_ROPE)
+    folder = root / "llama31"
+    folder.mkdir()
+    declared = {**hf_config(args, torch.float32), "max_position_embeddings": 32768}
+    (folder / "config.json").write_text(json.dumps(declared))
+    return folder, _train_one_step(root / "run", "--model.hf_config", str(folder))
+
+
+def test_a_checkpoint_of_an_hf_config_run_names_that_hf_config_not_the_flavor(hf_config_run, capsys):
+    folder, step = hf_config_run
+    code = _generate_script().main(["--config", "llama3_debug.toml", "--checkpoint", str(step), "--prompt", PROMPT])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: checkpoint {step} does not match"), err
+    assert err.endswith(f"build the model it was saved by: --model.hf_config {folder.resolve()}.\n"), err
+    assert "flavor" not in err
+
+
+def test_a_checkpoint_saved_with_other_rope_warns_as_an_initial_load_does(hf_config_run, tmp_path, caplog):
+    """It used to generate with the config's RoPE without a word."""
+    folder, step = hf_config_run
+    unscaled = tmp_path / "unscaled"
+    unscaled.mkdir()
+    (unscaled / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()),
+                                                      "rope_scaling": None}))
+    config = load_job_config(["--config", "llama3_debug.toml", "--model.hf_config", str(unscaled)])
+    with caplog.at_level(logging.WARNING, logger="titan_simple"):
+        model = load_model_for_generation(config, str(step), device=torch.device("cpu"))
+    assert model.args.rope_scaling is None
+    assert (f"checkpoint {step} was saved by a model that computes otherwise: rope_scaling llama3 factor 8, low 1, "
+            "high 4, original context 8192 (this run: none): starting from its weights with this run's settings"
+            ) in caplog.text
+
+
+def test_an_hf_config_run_records_its_model_and_exports_the_folders_context(hf_config_run, tmp_path):
+    folder, step = hf_config_run
+    marker = json.loads((step / "complete.json").read_text())
+    assert marker["model"] == {"hf_config": str(folder.resolve()), "flavor": None, "rope_scaling": None,
+                               "n_layers": None}
+    assert marker["model_args"]["max_position_embeddings"] == 32768
+    exported = export_hf(step, tmp_path / "hf")
+    assert json.loads((exported / "config.json").read_text())["max_position_embeddings"] == 32768

@@ -255,3 +255,28 @@ def test_a_missing_hf_config_is_one_line(tmp_path, capsys):
     code = train.main([*SMALL, "--model.hf_config", str(tmp_path / "nope"), "--job.dump_folder", str(tmp_path / "d")])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "hf_config" in err and "does not exist" in err, err
+
+
+@pytest.fixture(scope="module")
+def tied_folder(tmp_path_factory) -> Path:
+    """A two-block debugmodel_tied export: RoPE scaled 32x, tied embeddings."""
+    folder = tmp_path_factory.mktemp("tied_hf")
+    model = build_model("debugmodel_tied", n_layers=2, device="cpu")
+    save_hf(model.state_dict(), model.args, folder)
+    return folder
+
+
+@pytest.mark.parametrize("override", [("--model.rope_scaling", "none"), ("--model.n_layers", "1")])
+def test_an_override_of_hf_config_is_named_as_the_fix_not_hf_config(override, tied_folder, tmp_path, capsys):
+    """With [model] hf_config already naming the folder, the fix used to be to set hf_config to it."""
+    fix = f"[model] hf_config already names this folder; drop {' '.join(override)} (the override changes its model)."
+    dump = tmp_path / "dump"
+    code = train.main([*SMALL, "--model.hf_config", str(tied_folder), "--checkpoint.initial_load_path",
+                       str(tied_folder), *override, "--job.dump_folder", str(dump)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and err.endswith(fix + "\n"), err
+    assert "hf_config = '" not in err and not dump.exists()
+    config = load_job_config(["--config", "llama3_debug.toml", "--model.hf_config", str(tied_folder), *override])
+    with pytest.raises(ConfigError) as error:
+        load_model_for_generation(config, str(tied_folder), device=torch.device("cpu"))
+    assert str(error.value).endswith(fix)

@@ -155,6 +155,23 @@ def test_untied_checkpoint_into_tied_model_is_refused(tmp_path):
         make_trainer(tmp_path / "tied", *TIED, "--model.rope_scaling", "none",
                      "--checkpoint.initial_load_path", str(step), steps=1)
     assert "\n" not in str(error.value)
+    # The fix is the saved model's settings (complete.json), not initial_load_path, which is what was run.
+    assert str(error.value).endswith("build the model it was saved by: --model.flavor debugmodel and drop "
+                                     "--model.rope_scaling none."), error.value
+    assert "initial_load_path" not in str(error.value)
+
+
+def test_tied_checkpoint_into_untied_model_names_the_tied_flavor_not_initial_load_path(tmp_path):
+    make_trainer(tmp_path, *TIED, "--checkpoint.enable", steps=1).train()
+    step = tmp_path / "checkpoint" / "step-1"
+    with pytest.raises(ConfigError) as error:
+        make_trainer(tmp_path / "untied", "--model.n_layers", "2", "--checkpoint.initial_load_path", str(step),
+                     steps=1)
+    message = str(error.value)
+    assert "\n" not in message and "tie_word_embeddings True (this run: False)" in message, message
+    assert message.endswith("Tying cannot change on load (a tied model has one weight for the embedding and the "
+                            "output projection); build the model it was saved by: --model.flavor debugmodel_tied."), \
+        message
 
 
 def _train_on_ranks(rank: int, world_size: int, dump: str, extra: list[str], steps: int) -> dict:

@@ -12,16 +12,14 @@ from __future__ import annotations
 import time
 import warnings
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from titan_simple.config import JobConfig
 from titan_simple.errors import ConfigError
-from titan_simple.models.from_config import model_args_for, model_name
-from titan_simple.models.hf_llama import check_hf_config, is_hf_folder
+from titan_simple.models.from_config import model_args_for, model_choice, model_name
 from titan_simple.models.llama3 import KVCache, Transformer
-from titan_simple.trainer.checkpoint import load_model_weights
+from titan_simple.trainer.checkpoint import check_checkpoint, read_model_weights
 
 # ------------------------------------------------------------------------------------------ loading
 
@@ -43,16 +41,22 @@ def load_model_for_generation(
     init when ``checkpoint`` is None.
 
     ``checkpoint``: a DCP ``step-N`` folder, a checkpoint folder (its newest complete step) or a Hugging Face
-    Llama folder (config.json + safetensors), as ``trainer.checkpoint.load_model_weights`` reads them. A Hugging
-    Face folder whose config.json computes another function than the config's model is refused (ConfigError)
-    before anything is built. ``max_seq_len`` sizes the RoPE table (default: ``[training] seq_len``); positions
-    past the trained length run but are outside what the model has learnt.
+    Llama folder (config.json + safetensors), as ``trainer.checkpoint.load_model_weights`` reads them. It is
+    checked before anything is built, as the trainer's ``initial_load_path`` is (``check_checkpoint``): a Hugging
+    Face folder whose config.json computes another function than the config's model, or whose files are not one
+    whole set, and a step folder of another shape or tying are refused (ConfigError); a step folder saved with
+    other RoPE or norm epsilon (its complete.json) is loaded with a warning. ``max_seq_len`` sizes the RoPE table
+    (default: ``[training] seq_len``); positions past the trained length run but are outside what the model has
+    learnt.
     """
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or default_dtype(device)
     args = model_args_for(config, max_seq_len)
-    if checkpoint is not None and is_hf_folder(checkpoint):
-        check_hf_config(Path(checkpoint), args, model_name(config))
+    path = None
+    if checkpoint is not None:
+        with warnings.catch_warnings():  # DCP warns that it reads on one process: that is the intent here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            path = check_checkpoint(checkpoint, args, choice=model_choice(config), model_name=model_name(config))
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)
@@ -60,10 +64,10 @@ def load_model_for_generation(
         model.init_weights(buffer_device=device)  # also fills the RoPE table, which checkpoints do not hold
     for param in model.parameters():  # not model.to(dtype): that would drop the RoPE table's imaginary part
         param.data = param.data.to(dtype)
-    if checkpoint is not None:
-        with warnings.catch_warnings():  # DCP warns that it reads on one process: that is the intent here
+    if path is not None:
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            load_model_weights(checkpoint, model)
+            read_model_weights(path, model)
     return model.eval()
 
 

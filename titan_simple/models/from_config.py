@@ -9,7 +9,14 @@ from pathlib import Path
 
 from titan_simple.config import JobConfig
 from titan_simple.errors import ConfigError
-from titan_simple.models.hf_llama import check_hf_config, is_hf_folder, model_args_from_hf, read_hf_config
+from titan_simple.models.hf_files import refuse_other_weight_formats
+from titan_simple.models.hf_llama import (
+    check_hf_folder,
+    hf_folder_path,
+    is_hf_folder,
+    model_args_from_hf,
+    read_hf_config,
+)
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, ModelArgs, build_model
 
 
@@ -37,13 +44,26 @@ def model_name(config: JobConfig) -> str:
     return f"hf_config {config.model.hf_config}" if config.model.hf_config else f"flavor {config.model.flavor}"
 
 
+def model_choice(config: JobConfig) -> dict[str, object]:
+    """The [model] keys that chose the model (``hf_llama.MODEL_KEYS``): ``hf_config`` as a resolved folder, else
+    ``flavor``, and the ``rope_scaling`` / ``n_layers`` overrides; None where unset. complete.json records it, so
+    that a message can name the settings that build a checkpoint's model (``hf_llama.model_changes``)."""
+    model = config.model
+    return {"hf_config": hf_folder_path(model.hf_config) if model.hf_config else None,
+            "flavor": None if model.hf_config else model.flavor,
+            "rope_scaling": None if model.rope_scaling == "default" else model.rope_scaling,
+            "n_layers": model.n_layers or None}
+
+
 def check_initial_weights(config: JobConfig, model_args: ModelArgs) -> None:
     """Hugging Face weights to start from (``[checkpoint] initial_load_path``) must compute with this model what
-    their config says, checked from the folder's config.json before anything is built; and tied embeddings
-    cannot be split across pipeline stages."""
+    their config says and be one whole, readable set of its weights, checked from the folder's config.json and the
+    files' headers before anything is built; and tied embeddings cannot be split across pipeline stages."""
     initial = config.checkpoint.initial_load_path
+    if initial and Path(initial).is_dir():
+        refuse_other_weight_formats(Path(initial))
     if initial and is_hf_folder(initial):
-        check_hf_config(Path(initial), model_args, model_name(config))
+        check_hf_folder(initial, model_args, model_name(config), model_choice(config))
     if model_args.tie_word_embeddings and config.parallelism.pipeline_parallel_degree > 1:
         raise ConfigError(
             f"[model] {model_name(config)} ties its output projection to the token embedding, which pipeline "

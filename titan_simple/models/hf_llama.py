@@ -21,11 +21,13 @@ Name mapping (ours -> Hugging Face)::
 
 A folder written by :func:`save_hf` holds ``config.json`` and ``model.safetensors`` (or
 ``model-0000i-of-0000n.safetensors`` shards plus ``model.safetensors.index.json`` when larger than the
-shard size), which ``transformers.LlamaForCausalLM.from_pretrained`` reads.
+shard size), which ``transformers.LlamaForCausalLM.from_pretrained`` reads. Which files are a folder's weights, and
+how an export replaces them whole, is ``hf_files.py``'s.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -37,7 +39,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from titan_simple.errors import ConfigError
-from titan_simple.models.llama3 import LLAMA3_FLAVORS, ModelArgs, RopeScaling
+from titan_simple.models.hf_files import INDEX, WEIGHTS, weight_shapes, write_weight_set
+from titan_simple.models.llama3 import LLAMA3_FLAVORS, ModelArgs, RopeScaling, Transformer
 
 _LAYER_NAMES = {  # ours (inside layers.N.) -> Hugging Face (inside model.layers.N.)
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -123,18 +126,31 @@ def _rope_scaling_json(scaling: RopeScaling | None) -> dict | None:
             "high_freq_factor": scaling.high_freq_factor, "original_max_position_embeddings": scaling.original_context}
 
 
+# Meta's Llama 3.1 (factor 8) and 3.2 (factor 32) folders both declare 131072 positions: 16 x their original
+# context of 8192, the length their long-context training reached, whatever the factor.
+META_SCALED_CONTEXT_RATIO = 16
+
+
+def hf_context(args: ModelArgs) -> int:
+    """``max_position_embeddings`` to export: the one the model was imported with (``args.max_position_embeddings``,
+    a Hugging Face folder's, carried through complete.json), else the trained length and, with scaled RoPE, at
+    least Meta's value (16 x the original context: 131072 for Llama 3.1 and 3.2 alike)."""
+    if args.max_position_embeddings:
+        return args.max_position_embeddings
+    if args.rope_scaling is None:
+        return args.max_seq_len
+    return max(args.max_seq_len, META_SCALED_CONTEXT_RATIO * args.rope_scaling.original_context)
+
+
 def hf_config(args: ModelArgs, dtype: torch.dtype, special_tokens: dict[str, int] | None = None) -> dict:
     """``config.json`` of a ``LlamaForCausalLM`` computing what ``args`` computes.
 
     RoPE is written as ``rope_theta`` + ``rope_scaling``, the keys of Meta's published folders, which every
-    ``transformers`` release reads (5.x converts them to its ``rope_parameters``). ``max_position_embeddings``
-    is the trained length or, with scaled RoPE, at least the context the scaling stretches the original one to
-    (``factor x original context``: transformers wants it longer than the original).
-    ``special_tokens``: ``bos_token_id`` / ``eos_token_id`` of the tokenizer the model was trained with.
+    ``transformers`` release reads (5.x converts them to its ``rope_parameters``). ``max_position_embeddings``:
+    see :func:`hf_context`. ``special_tokens``: ``bos_token_id`` / ``eos_token_id`` of the tokenizer the model
+    was trained with.
     """
-    context = args.max_seq_len
-    if args.rope_scaling is not None:
-        context = max(context, int(args.rope_scaling.factor * args.rope_scaling.original_context))
+    context = hf_context(args)
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -216,10 +232,15 @@ def model_args_from_hf(config: dict, where: str, max_seq_len: int = 8192) -> Mod
             n_kv_heads=config.get("num_key_value_heads") or heads, vocab_size=config["vocab_size"],
             ffn_hidden_size=config["intermediate_size"], norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            max_seq_len=max_seq_len,
+            max_seq_len=max_seq_len, max_position_embeddings=_declared_context(config),
         )
     except ValueError as e:
         raise ConfigError(f"{where}: {e}.") from None
+
+
+def _declared_context(config: dict) -> int | None:
+    context = config.get("max_position_embeddings")
+    return context if isinstance(context, int) and not isinstance(context, bool) and context > 0 else None
 
 
 def _describe_rope(scaling: RopeScaling | None) -> str:
@@ -251,17 +272,93 @@ def matching_flavors(args: ModelArgs) -> list[str]:
     return [name for name, flavor in LLAMA3_FLAVORS.items() if not model_differences(args, flavor)]
 
 
-def check_hf_config(folder: Path, args: ModelArgs, model_name: str = "model") -> None:
+# The [model] keys that choose a model (config.py), as complete.json records them (from_config.model_choice):
+# hf_config (a resolved folder) or flavor, then the two overrides; None where unset.
+MODEL_KEYS = ("hf_config", "flavor", "rope_scaling", "n_layers")
+_OVERRIDDEN = {"rope_scaling": "rope_scaling", "n_layers": "num_hidden_layers"}  # override -> function field
+
+
+def hf_folder_path(path: str | Path) -> str:
+    """A Hugging Face folder named by itself or by its config.json, as one resolved path (for comparisons)."""
+    path = Path(path).resolve()
+    return str(path.parent if path.is_file() else path)
+
+
+def model_changes(current: dict, target: dict, fields: list[str] | None = None) -> str:
+    """The [model] settings that turn the ``current`` choice into ``target`` (both keyed by MODEL_KEYS; ``current``
+    may be {}: unknown), e.g. ``--model.flavor debugmodel_tied and drop --model.rope_scaling none``; ``fields``
+    (function_fields keys): drop only the overrides that change one of them. '' when nothing differs."""
+    sets = [f"--model.{key} {target[key]}" for key in MODEL_KEYS
+            if target.get(key) is not None and target.get(key) != current.get(key)]
+    drops = [f"--model.{key} {current[key]}" for key in ("hf_config", "rope_scaling", "n_layers")
+             if current.get(key) is not None and target.get(key) is None
+             and (fields is None or _OVERRIDDEN.get(key) in fields)]
+    if not drops:
+        return " ".join(sets)
+    return " ".join(sets) + (" and drop " if sets else "drop ") + ", ".join(drops)
+
+
+def _hf_fix(folder: Path, found: ModelArgs, wrong: list[str], choice: dict | None) -> str:
+    """How to build the model ``folder`` fits, never what the config already did (``choice``, see MODEL_KEYS)."""
+    choice = choice or {}
+    fields = [difference.split(" ", 1)[0] for difference in wrong]
+    own = {"hf_config": hf_folder_path(folder)}
+    drops = model_changes({**choice, "hf_config": own["hf_config"]}, own, fields)
+    if choice.get("hf_config") == own["hf_config"] and drops:  # built from this folder: an override changes it
+        return f"[model] hf_config already names this folder; {drops} (the override changes its model)"
+    flavors = [name for name in matching_flavors(found) if name != choice.get("flavor")]
+    other = f", or choose [model] flavor '{flavors[0]}'" if flavors else ""
+    also = f" ({drops})" if drops else ""
+    return f"Build the model from the folder with [model] hf_config = '{folder}'{also}{other}"
+
+
+def check_hf_config(folder: Path, args: ModelArgs, model_name: str = "model", choice: dict | None = None) -> None:
     """Raise one ConfigError line naming every field of ``folder``'s config.json that changes the function
-    from ``args`` (shapes, RoPE, norm epsilon, tied embeddings), and the fix."""
+    from ``args`` (shapes, RoPE, norm epsilon, tied embeddings), and a fix that is not what ``choice`` (the
+    config's [model] keys, see MODEL_KEYS) already did."""
     folder = Path(folder)
     found = model_args_from_hf(read_hf_config(folder), f"Hugging Face weights {folder}")
     wrong = model_differences(found, args, model_name)
     if wrong:
-        flavors = matching_flavors(found)
-        other = f", or choose [model] flavor '{flavors[0]}'" if flavors else ""
-        raise ConfigError(f"Hugging Face weights {folder} do not fit {model_name}: {'; '.join(wrong)}. Build the "
-                          f"model from the folder with [model] hf_config = '{folder}'{other}.")
+        raise ConfigError(f"Hugging Face weights {folder} do not fit {model_name}: {'; '.join(wrong)}. "
+                          f"{_hf_fix(folder, found, wrong, choice)}.")
+
+
+def _expected_weights(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """The Hugging Face names and shapes of ``args``'s weights (a tied model has no ``lm_head.weight``)."""
+    with torch.device("meta"):
+        model = Transformer(dataclasses.replace(args, max_seq_len=1))  # the RoPE table is no weight
+    return {to_hf_name(name): tuple(param.shape) for name, param in model.named_parameters()}
+
+
+def _skipped(hf_name: str, args: ModelArgs) -> bool:
+    """Weights some exports carry that the model does not load: the RoPE table of older exports, and with tied
+    embeddings a ``lm_head.weight`` (the embedding is the output projection)."""
+    return hf_name.endswith("rotary_emb.inv_freq") or (args.tie_word_embeddings and hf_name == "lm_head.weight")
+
+
+def check_hf_folder(folder: str | Path, args: ModelArgs, model_name: str = "model",
+                    choice: dict | None = None) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """All that can be checked of a Hugging Face folder before a model is built, each failure one ConfigError line:
+    its config.json computes what ``args`` computes (:func:`check_hf_config`), it holds one whole, readable weight
+    set (``hf_files.weight_shapes``: headers only) with every weight of the model, in its shape. Returns the
+    weights as ``name -> (file, shape)``."""
+    folder = Path(folder)
+    check_hf_config(folder, args, model_name, choice)
+    found = {name: where for name, where in weight_shapes(folder).items() if not _skipped(name, args)}
+    expected = _expected_weights(args)
+    problems = []
+    for label, names in (("missing", sorted(set(expected) - set(found))),
+                         ("unknown", sorted(set(found) - set(expected))),
+                         ("of another shape", [f"{name} {list(found[name][1])} (model: {list(shape)})"
+                                               for name, shape in expected.items()
+                                               if name in found and found[name][1] != shape])):
+        if names:
+            problems.append(f"{len(names)} {label} ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+    if problems:
+        raise ConfigError(f"Hugging Face weights {folder} are not the weights its config.json describes: "
+                          f"{'; '.join(problems)}; download or export the folder again.")
+    return found
 
 
 def is_hf_folder(path: str | Path) -> bool:
@@ -280,10 +377,21 @@ def save_hf(
     """Write our full (unsharded) weights as a Hugging Face Llama folder; return the folder.
 
     ``weights`` yields ``(our name, tensor)``; tensors are converted one at a time and written in shards of
-    at most ``max_shard_bytes``.
+    at most ``max_shard_bytes``. A weight set already in ``folder`` is replaced whole, atomically, its other files
+    kept (``hf_files.write_weight_set``); a folder holding a DCP checkpoint, or a file, is one ConfigError line.
     """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    config = hf_config(args, dtype, special_tokens)
+
+    def write(target: Path) -> None:
+        _write_shards(weights, args, target, dtype, max_shard_bytes)
+        (target / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+    return write_weight_set(folder, write)
+
+
+def _write_shards(weights: Iterator[tuple[str, torch.Tensor]] | dict[str, torch.Tensor], args: ModelArgs,
+                  folder: Path, dtype: torch.dtype, max_shard_bytes: int) -> None:
+    """``model.safetensors``, or shards of at most ``max_shard_bytes`` and their index."""
     items = weights.items() if isinstance(weights, dict) else weights
     shards: list[dict[str, torch.Tensor]] = [{}]
     shard_bytes = 0
@@ -301,17 +409,15 @@ def save_hf(
         total_bytes += size
     metadata = {"format": "pt"}
     if len(shards) == 1:
-        _save_shard(shards[0], folder / "model.safetensors", metadata)
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, start=1):
-            file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            _save_shard(shard, folder / file, metadata)
-            weight_map.update({name: file for name in shard})
-        index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
-        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    (folder / "config.json").write_text(json.dumps(hf_config(args, dtype, special_tokens), indent=2) + "\n")
-    return folder
+        _save_shard(shards[0], folder / WEIGHTS, metadata)
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        _save_shard(shard, folder / file, metadata)
+        weight_map.update({name: file for name in shard})
+    index = {"metadata": {"total_size": total_bytes}, "weight_map": weight_map}
+    (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _save_shard(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
@@ -323,34 +429,21 @@ def _save_shard(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str
     path.chmod(0o666 & ~umask)
 
 
-def _hf_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return [folder / f for f in sorted(set(weight_map.values()))]
-    return sorted(folder.glob("*.safetensors"))
-
-
 def load_hf(folder: str | Path, args: ModelArgs) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(our name, full tensor)`` from a Hugging Face Llama folder, one tensor at a time.
 
-    The config is checked first (ConfigError naming each field that does not fit ``args``); unknown weight names
-    raise ConfigError. With tied embeddings a ``lm_head.weight`` some exports carry is skipped: the embedding is
-    the output projection.
+    The folder is checked first, config and files (:func:`check_hf_folder`); a file that fails while its tensors
+    are read is one ConfigError line too. With tied embeddings a ``lm_head.weight`` some exports carry is skipped:
+    the embedding is the output projection.
     """
     folder = Path(folder)
-    check_hf_config(folder, args)
-    for file in _hf_files(folder):
+    found = check_hf_folder(folder, args)
+    for file in sorted({file for file, _ in found.values()}):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for hf_name in f.keys():
-                    if hf_name.endswith("rotary_emb.inv_freq"):  # older exports carry the RoPE table
-                        continue
-                    if args.tie_word_embeddings and hf_name == "lm_head.weight":
-                        continue
-                    try:
+                    if hf_name in found:
                         yield from_hf_tensor(hf_name, f.get_tensor(hf_name), args)
-                    except ValueError as e:
-                        raise ConfigError(f"Hugging Face weights {file}: {e}.") from None
         except (OSError, SafetensorError) as e:
-            raise ConfigError(f"Hugging Face weights {file} cannot be read ({e}).") from None
+            raise ConfigError(f"Hugging Face weights {file} cannot be read ({e}); the file is truncated or corrupt: "
+                              "download or export it again.") from None

@@ -56,6 +56,10 @@ class ModelArgs:
     ffn_hidden_size: int | None = None  # the SwiGLU width as given (a Hugging Face config); None: from the rule
     max_seq_len: int = 8192  # length of the precomputed RoPE table, i.e. the longest sequence the model takes
     depth_init: bool = True  # output projections of deeper layers start smaller (see TransformerBlock)
+    # The context a Hugging Face config.json declared (its max_position_embeddings), kept for the export to write
+    # back. It changes nothing the model computes: it is left out of repr() (which names the compiled graphs) and
+    # of equality (flavor comparisons); complete.json records it (dataclasses.asdict).
+    max_position_embeddings: int | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.rope_scaling, dict):  # as dataclasses.asdict wrote it (a checkpoint's complete.json)

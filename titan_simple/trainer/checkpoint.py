@@ -50,14 +50,17 @@ from torch.distributed.checkpoint.state_dict import (
 
 from titan_simple.core.optim import load_lr_scheduler_position
 from titan_simple.errors import CheckpointError, ConfigError
-from titan_simple.models.hf_llama import is_hf_folder, model_differences
+from titan_simple.models.from_config import model_choice
+from titan_simple.models.hf_llama import is_hf_folder
 from titan_simple.models.llama3 import ModelArgs, Transformer
 from titan_simple.parallel.simple_fsdp import sharded_parameters
 from titan_simple.trainer.checkpoint_files import (
     EXPORT_DTYPES,
     MARKER,
     PARTIAL_SUFFIX,
+    check_checkpoint,
     check_model_shapes,
+    check_saved_model,
     commit_step,
     complete_steps,
     copy_hf_weights,
@@ -71,14 +74,16 @@ from titan_simple.trainer.checkpoint_files import (
     prune_steps,
     read_marker,
     read_metadata,
+    read_model_weights,
     single_process_is_fine,
     step_folder,
 )
 
 # The file helpers are re-exported: generate.py, scripts/export_hf.py and the tests import them from here.
 __all__ = [
-    "EXPORT_DTYPES", "MARKER", "PARTIAL_SUFFIX", "STATE_KEYS", "CheckpointManager", "TrainProgress", "complete_steps",
-    "export_hf", "find_checkpoint", "load_model_weights", "model_args_of", "read_marker", "step_folder",
+    "EXPORT_DTYPES", "MARKER", "PARTIAL_SUFFIX", "STATE_KEYS", "CheckpointManager", "TrainProgress", "check_checkpoint",
+    "complete_steps", "export_hf", "find_checkpoint", "load_model_weights", "model_args_of", "read_marker",
+    "read_model_weights", "step_folder",
 ]
 
 logger = logging.getLogger("titan_simple")
@@ -179,6 +184,7 @@ class CheckpointManager:
         self.lr_scheduler = lr_scheduler
         self.dataloader = dataloader
         self.model_args = model_args
+        self.model_choice = model_choice(config)  # the [model] keys, recorded in complete.json
         self.special_tokens = special_tokens or {}  # bos_token_id / eos_token_id, for Hugging Face exports
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -235,34 +241,13 @@ class CheckpointManager:
             full_model = Transformer(self.model_args)
         return {k: v.shape for k, v in full_model.state_dict().items()}
 
-    def _check_saved_function(self, path: Path, resuming: bool) -> None:
-        """The model a checkpoint was saved by (its complete.json) must compute what this run's does: a resumed run
-        stops on any difference of RoPE, norm epsilon or tying (shapes are checked from the DCP metadata); a run
-        starting from another's weights (``initial_load_path``) only hears of RoPE and epsilon changes, which
-        long-context recipes make on purpose. Tying never changes silently: loaded into a tied model, separate
-        embedding and output weights would overwrite each other."""
-        saved = model_args_of(path)
-        if saved is None:
-            return
-        fields = ("rope_theta", "rope_scaling", "rms_norm_eps", "tie_word_embeddings")
-        changed = [d for d in model_differences(saved, self.model_args, "this run") if d.split(" ", 1)[0] in fields]
-        if not changed:
-            return
-        what = f"checkpoint {path} was saved by a model that computes otherwise: {'; '.join(changed)}"
-        if resuming or saved.tie_word_embeddings != self.model_args.tie_word_embeddings:
-            hint = (" The 8B, 70B and 405B flavors scale RoPE since they became Llama 3.1's: set --model.rope_scaling "
-                    "none to continue a run saved before." if saved.rope_scaling is None else "")
-            raise ConfigError(f"{what}.{hint} Set [model] to the saved model's values to continue it, or start a new "
-                              "run from it with [checkpoint] initial_load_path to change them on purpose.")
-        logger.warning("%s: starting from its weights with this run's settings", what)
-
     def _load_dcp(self, path: Path, model_only: bool, resuming: bool = False) -> TrainProgress:
         if not path.is_dir():
             raise ConfigError(f"[checkpoint] initial_load_path {path} does not exist.")
         started = time.perf_counter()
         metadata = read_metadata(path)
-        check_model_shapes(metadata, self._expected_model_shapes(), path)
-        self._check_saved_function(path, resuming)
+        check_model_shapes(metadata, self._expected_model_shapes(), path, self.model_choice)
+        check_saved_model(path, self.model_args, resuming, self.model_choice)
         present = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
         wanted = {"model"} if model_only else set(STATE_KEYS) - set(self.config.exclude_from_loading)
         skipped = sorted(wanted - present - {"model"})
@@ -454,7 +439,8 @@ class CheckpointManager:
         """Rank 0, once every rank's shards and DCP's .metadata are written: mark complete, rename, prune."""
         marker = {
             "step": step, "model_only": model_only, "world_size": self.world_size, "dp_size": self.dp_size,
-            "model_args": dataclasses.asdict(self.model_args), "special_tokens": self.special_tokens,
+            "model_args": dataclasses.asdict(self.model_args), "model": self.model_choice,
+            "special_tokens": self.special_tokens,
             "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         }
         final = commit_step(self.folder, step, marker)

@@ -11,8 +11,10 @@ DCP's ``.metadata`` are on disk. This module knows that layout -- which steps ar
 (``complete_steps``, ``find_checkpoint``), the marker (``read_marker``, ``model_args_of``), the DCP metadata
 and its check against a model's shapes, and rank 0's side of a save (``fresh_partial_folder``, ``commit_step``,
 ``prune_steps``; the manager decides when) -- and uses it for the one-process consumers that need no optimizer,
-data loader or process group: ``load_model_weights`` (generation, evaluation), ``export_hf`` (a step folder
-to a Hugging Face folder) and ``copy_hf_weights`` (Hugging Face weights into a plain or sharded model). It is
+data loader or process group: ``load_model_weights`` (generation, evaluation: ``check_checkpoint`` before the model
+is built, then ``read_model_weights``), ``export_hf`` (a step folder to a Hugging Face folder) and
+``copy_hf_weights`` (Hugging Face weights into a plain or sharded model). The comparison of the model a step's
+complete.json recorded with the one loading it (``check_saved_model``) is the trainer's too. It is
 apart from ``checkpoint.py`` so that those consumers read a checkpoint without the manager's save / resume
 logic, and so that the manager's file stays about resuming a run.
 """
@@ -20,6 +22,7 @@ logic, and so that the manager's file stays about resuming a run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -38,8 +41,16 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from titan_simple.errors import CheckpointError, ConfigError
-from titan_simple.models.hf_llama import is_hf_folder, load_hf, save_hf
-from titan_simple.models.llama3 import ModelArgs, Transformer
+from titan_simple.models.hf_files import check_export_target, refuse_other_weight_formats
+from titan_simple.models.hf_llama import (
+    check_hf_folder,
+    is_hf_folder,
+    load_hf,
+    model_changes,
+    model_differences,
+    save_hf,
+)
+from titan_simple.models.llama3 import LLAMA3_FLAVORS, ModelArgs, Transformer
 from titan_simple.parallel.simple_fsdp import sharded_parameters
 
 logger = logging.getLogger("titan_simple")
@@ -145,6 +156,7 @@ def read_marker(path: str | Path) -> dict[str, Any]:
 
 def read_metadata(path: Path) -> Metadata:
     if not (path / ".metadata").is_file():
+        refuse_other_weight_formats(path)
         raise ConfigError(f"checkpoint {path} is not a DCP checkpoint (no .metadata file); point at a step-N "
                           "folder or a Hugging Face folder (config.json + *.safetensors).")
     try:
@@ -154,8 +166,10 @@ def read_metadata(path: Path) -> Metadata:
                           "the checkpoint is corrupt.") from None
 
 
-def check_model_shapes(metadata: Metadata, expected: dict[str, torch.Size], path: Path) -> None:
-    """ConfigError unless the checkpoint's "model" entries are exactly ``expected`` (names and shapes)."""
+def check_model_shapes(metadata: Metadata, expected: dict[str, torch.Size], path: Path,
+                       choice: dict | None = None) -> None:
+    """ConfigError unless the checkpoint's "model" entries are exactly ``expected`` (names and shapes); the fix
+    names the model the checkpoint was saved by, as far as it differs from ``choice`` (see ``saved_model_fix``)."""
     saved = {
         key.removeprefix("model."): item.size for key, item in metadata.state_dict_metadata.items()
         if key.startswith("model.") and isinstance(item, TensorStorageMetadata)
@@ -169,8 +183,58 @@ def check_model_shapes(metadata: Metadata, expected: dict[str, torch.Size], path
         if items:
             problems.append(f"{len(items)} {label} ({', '.join(items[:3])}{', ...' if len(items) > 3 else ''})")
     if problems:
-        raise ConfigError(f"checkpoint {path} does not match the model: {'; '.join(problems)}; "
-                          "check [model] flavor against the run that wrote it.")
+        raise ConfigError(f"checkpoint {path} does not match the model: {'; '.join(problems)}; build the model "
+                          f"it was saved by: {saved_model_fix(path, choice)}.")
+
+
+def _flavor_choice(saved: ModelArgs) -> dict | None:
+    """The [model] keys (``hf_llama.MODEL_KEYS``) building ``saved`` from a flavor, overrides included, or None."""
+    for name, flavor in LLAMA3_FLAVORS.items():
+        for rope in (flavor.rope_scaling, None):
+            candidate = dataclasses.replace(flavor, n_layers=saved.n_layers, rope_scaling=rope)
+            if not model_differences(saved, candidate):
+                return {"flavor": name, "rope_scaling": "none" if rope is None and flavor.rope_scaling else None,
+                        "n_layers": saved.n_layers if saved.n_layers != flavor.n_layers else None}
+    return None
+
+
+def saved_model_fix(path: Path, choice: dict | None = None) -> str:
+    """The [model] settings that build the model a step folder was saved by, as far as they differ from ``choice``
+    (the config's, ``from_config.model_choice``; None: unknown): the keys its complete.json records, else the
+    flavor and overrides its recorded shape fits, else the advice to use the run's own."""
+    marker = read_marker(path)
+    target = marker.get("model")
+    if not isinstance(target, dict) and marker.get("model_args"):  # saved before complete.json recorded the keys
+        target = _flavor_choice(ModelArgs(**marker["model_args"]))
+    changes = model_changes(choice or {}, target) if isinstance(target, dict) else ""
+    return changes or "the [model] flavor or hf_config (and overrides) of the run that wrote it"
+
+
+def check_saved_model(path: Path, args: ModelArgs, resuming: bool, choice: dict | None = None) -> None:
+    """The model a checkpoint was saved by (its complete.json) must compute what ``args`` does: resuming stops on
+    any difference of RoPE, norm epsilon or tying (shapes are checked from the DCP metadata); loading its weights
+    otherwise (``initial_load_path``, generation, export) only warns of RoPE and epsilon changes, which
+    long-context recipes make on purpose. Tying never changes silently: loaded into a tied model, separate
+    embedding and output weights would overwrite each other. The fix names the saved model's settings as far as
+    they differ from ``choice``, the config's [model] keys (``from_config.model_choice``)."""
+    saved = model_args_of(path)
+    if saved is None:
+        return
+    fields = ("rope_theta", "rope_scaling", "rms_norm_eps", "tie_word_embeddings")
+    changed = [d for d in model_differences(saved, args, "this run") if d.split(" ", 1)[0] in fields]
+    if not changed:
+        return
+    what = f"checkpoint {path} was saved by a model that computes otherwise: {'; '.join(changed)}"
+    if saved.tie_word_embeddings != args.tie_word_embeddings:
+        raise ConfigError(f"{what}. Tying cannot change on load (a tied model has one weight for the embedding and "
+                          f"the output projection); build the model it was saved by: {saved_model_fix(path, choice)}.")
+    if resuming:
+        hint = (" The 8B, 70B and 405B flavors scale RoPE since they became Llama 3.1's: set --model.rope_scaling "
+                "none to continue a run saved before." if saved.rope_scaling is None else "")
+        raise ConfigError(f"{what}.{hint} To continue it, build the model it was saved by "
+                          f"({saved_model_fix(path, choice)}); to change them on purpose, start a new run from it "
+                          "with [checkpoint] initial_load_path.")
+    logger.warning("%s: starting from its weights with this run's settings", what)
 
 
 def first_failure(error: BaseException) -> str:
@@ -194,34 +258,72 @@ def single_process_is_fine() -> Iterator[None]:
 # ------------------------------------------------------------------------------------ plain models
 
 
-def load_model_weights(checkpoint_dir: str, model: nn.Module) -> None:
-    """Load the model weights of a checkpoint into a plain (unsharded) ``model``, in one process.
-
-    ``checkpoint_dir``: a ``step-N`` folder, a checkpoint folder (its newest complete step is used), or a
-    Hugging Face Llama folder (``model`` must then be our ``Transformer``). Works with or without a process
-    group; the weights are resharded from whatever layout saved them. Raises ConfigError on a missing,
-    partial, corrupt or mismatched checkpoint.
-    """
+def resolve_checkpoint(checkpoint_dir: str | Path) -> Path:
+    """The folder a one-process reader reads: a Hugging Face folder, a complete ``step-N`` folder, or a checkpoint
+    folder's newest complete step; or the ConfigError line (missing, partial, weights we cannot read)."""
     path = Path(checkpoint_dir)
     if not path.is_dir():
         raise ConfigError(f"checkpoint {path} does not exist.")
+    refuse_other_weight_formats(path)
+    if is_hf_folder(path):
+        return path
+    if not (path / ".metadata").is_file() and complete_steps(path):
+        return find_checkpoint(path)
+    if path.name.endswith(PARTIAL_SUFFIX) or (_STEP_FOLDER.match(path.name) and not (path / MARKER).is_file()):
+        raise ConfigError(f"checkpoint {path} is partial (its save did not finish); use a complete step folder.")
+    return path
+
+
+def check_checkpoint(checkpoint_dir: str | Path, args: ModelArgs | None, shapes: dict[str, torch.Size] | None = None,
+                     choice: dict | None = None, model_name: str = "model") -> Path:
+    """Everything about a checkpoint that can be checked before its model is built, as the trainer checks it: a
+    Hugging Face folder's config and files (``hf_llama.check_hf_folder``), a DCP folder's shapes against
+    ``shapes`` (default: ``args``'s model) and the model its complete.json recorded against ``args``
+    (``check_saved_model``, as ``initial_load_path`` does: tying refused, RoPE / epsilon changes warned).
+    ``choice``: the config's [model] keys, for the fix (``from_config.model_choice``); ``model_name``: how messages
+    name the model. Returns the folder to read."""
+    path = resolve_checkpoint(checkpoint_dir)
+    if is_hf_folder(path):
+        if args is None:
+            raise ConfigError(f"Hugging Face weights {path} can only be loaded into a Llama Transformer.")
+        check_hf_folder(path, args, model_name, choice)
+        return path
+    if shapes is None:
+        with torch.device("meta"):
+            shapes = {k: v.shape for k, v in Transformer(args).state_dict().items()}
+    check_model_shapes(read_metadata(path), shapes, path, choice)
+    if args is not None:
+        check_saved_model(path, args, resuming=False, choice=choice)
+    return path
+
+
+def read_model_weights(path: Path, model: nn.Module) -> None:
+    """The weights of a folder ``check_checkpoint`` returned, into a plain (unsharded) ``model``."""
     if is_hf_folder(path):
         copy_hf_weights(path, model)
         return
-    if not (path / ".metadata").is_file() and complete_steps(path):
-        path = find_checkpoint(path)
-    elif path.name.endswith(PARTIAL_SUFFIX) or (_STEP_FOLDER.match(path.name) and not (path / MARKER).is_file()):
-        raise ConfigError(f"checkpoint {path} is partial (its save did not finish); use a complete step folder.")
-    metadata = read_metadata(path)
     state_dict = model.state_dict()
-    check_model_shapes(metadata, {k: v.shape for k, v in state_dict.items()}, path)
     try:
         with single_process_is_fine():
             dcp.load({"model": state_dict}, checkpoint_id=str(path), no_dist=True)
     except (CheckpointException, Exception) as e:  # noqa: B014 -- CheckpointException is a BaseException
         raise CheckpointError(f"checkpoint {path} cannot be read ({first_failure(e)}); it is corrupt or "
-                          "truncated.") from None
+                              "truncated.") from None
     model.load_state_dict(state_dict)  # no-op for in-place loads; makes copies (other dtypes) stick
+
+
+def load_model_weights(checkpoint_dir: str | Path, model: nn.Module, choice: dict | None = None) -> None:
+    """Load the model weights of a checkpoint into a plain (unsharded) ``model``, in one process.
+
+    ``checkpoint_dir``: a ``step-N`` folder, a checkpoint folder (its newest complete step is used), or a
+    Hugging Face Llama folder (``model`` must then be our ``Transformer``). Works with or without a process
+    group; the weights are resharded from whatever layout saved them. Raises ConfigError on a missing,
+    partial, corrupt or mismatched checkpoint, or one saved by a model with other tying; warns when it was saved
+    with other RoPE or epsilon (``check_checkpoint``, as the trainer's ``initial_load_path``).
+    """
+    args = getattr(model, "args", None)
+    shapes = {k: v.shape for k, v in model.state_dict().items()}
+    read_model_weights(check_checkpoint(checkpoint_dir, args, shapes, choice), model)
 
 
 def model_args_of(checkpoint_dir: str | Path) -> ModelArgs | None:
@@ -232,8 +334,10 @@ def model_args_of(checkpoint_dir: str | Path) -> ModelArgs | None:
 
 def export_hf(checkpoint_dir: str | Path, output_dir: str | Path, dtype: torch.dtype = torch.float32,
               args: ModelArgs | None = None, special_tokens: dict[str, int] | None = None) -> Path:
-    """Write the model of a DCP step folder as a Hugging Face Llama folder (one process, full weights).
-    ``args`` and ``special_tokens`` (BOS / EOS ids) default to what the step's complete.json recorded."""
+    """Write the model of a DCP step folder as a Hugging Face Llama folder (one process, full weights), replacing a
+    weight set the folder holds whole (``hf_llama.save_hf``). ``args`` and ``special_tokens`` (BOS / EOS ids)
+    default to what the step's complete.json recorded."""
+    check_export_target(output_dir, source=checkpoint_dir)  # before the weights are read
     args = args or model_args_of(checkpoint_dir)
     if special_tokens is None:
         special_tokens = read_marker(checkpoint_dir).get("special_tokens")
