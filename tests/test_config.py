@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -133,6 +134,40 @@ def test_help_lists_every_key_with_default():
     # compile once: what makes ranks share graphs, not "rank 0 compiles" (several do under TP, CP or HSDP)
     once = text[text.index("--compile.compile_on_one_rank"):text.index("--compile.precompile_world_size")]
     assert "same process group in every other mesh dimension" in " ".join(once.split())
+
+
+def _titan_run(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "titan_simple.trainer.launch", "--nproc_per_node=2", str(REPO / "train.py"),
+               "--config", "llama3_debug.toml", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_titan_run_reports_a_config_error_in_one_line_before_any_rank_starts():
+    """torchrun reports its ranks' one line with its ChildFailedError traceback and exit status 1; titan-run checks
+    the config for the job's world size first: one line, status 2, and no rank started (no torchrun banner)."""
+    for args, line in ((("--training.stepz", "1"), "error: command line: unknown key 'stepz' in [training]. Did you "
+                        "mean 'steps'?"),
+                       (("--parallelism.tensor_parallel_degree", "3"), "error: [parallelism] data_parallel_replicate_"
+                        "degree x context_parallel_degree x tensor_parallel_degree x pipeline_parallel_degree = 3 does "
+                        "not divide the world size 2; launch a multiple of 3 processes or lower the degrees.")):
+        done = _titan_run(*args)
+        assert done.returncode == 2 and done.stderr.strip().splitlines() == [line], done.stderr[-2000:]
+
+
+def test_titan_run_exits_with_a_ranks_own_error_status_without_a_traceback(tmp_path):
+    """An error only the ranks find (a corrupt checkpoint): each prints its line, titan-run exits 2 quietly."""
+    common = ("--model.n_layers", "1", "--checkpoint.enable", "--checkpoint.interval", "1", "--job.dump_folder",
+              str(tmp_path), "--metrics.enable_tensorboard=false")
+    first = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", "llama3_debug.toml",
+                            "--training.steps", "1", *common], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert first.returncode == 0, first.stderr[-2000:]
+    for shard in (tmp_path / "checkpoint" / "step-1").glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:100])
+    done = _titan_run("--training.steps", "2", *common)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert done.returncode == 2 and errors and all("step-1 cannot be read" in e for e in errors), done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr and "exitcode" not in done.stderr
 
 
 def test_train_py_reports_one_line_and_exit_code_2():

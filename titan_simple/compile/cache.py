@@ -78,11 +78,6 @@ def disable_compile_caches() -> None:
     torch.compiler.config.force_disable_caches = True
 
 
-def caches_disabled() -> bool:
-    """Whether this process compiles without torch's compile caches (whose hit / miss counters then stay at 0)."""
-    return bool(torch.compiler.config.force_disable_caches)
-
-
 def comm_plan_store(fingerprint: str, pass_uuid: str, rank: int) -> Path:
     """Where a recorder keeps its copy of the comm plan for a later start with the same graphs."""
     key = hashlib.sha256(f"{fingerprint}:{pass_uuid}".encode()).hexdigest()[:24]

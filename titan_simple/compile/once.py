@@ -58,7 +58,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from titan_simple.compile.cache import caches_disabled
 from titan_simple.compile.inductor_private import (
     autograd_cache_bypasses,
     compile_caches_forced_off,
@@ -127,7 +126,8 @@ class CompileOnce:
         after = compile_counters()
         self.records.append(GraphRecord(index, time.perf_counter() - start, after["hit"] - before["hit"],
                                         after["miss"] + after["bypass"] - before["miss"] - before["bypass"], waited,
-                                        same, unshared or refused(), caches_disabled()))
+                                        same, unshared or refused(),
+                                        bool(torch.compiler.config.force_disable_caches)))
         return compiled
 
     @contextlib.contextmanager

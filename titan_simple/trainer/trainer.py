@@ -12,7 +12,7 @@ import torch.distributed as dist
 from titan_simple.config import JobConfig, resolve_project_path
 from titan_simple.core.assemble import build_run
 from titan_simple.core.device_peaks import peak_flops_per_second
-from titan_simple.core.plan import resolve_plan
+from titan_simple.core.plan import RunPlan, resolve_plan
 from titan_simple.core.step import StepResult
 from titan_simple.data import Tokenizer, build_dataloader
 from titan_simple.errors import NonFiniteTraining
@@ -41,6 +41,17 @@ from titan_simple.trainer.validation import Validator
 from titan_simple.trainer.wandb_run import wandb_options
 
 logger = logging.getLogger("titan_simple")
+
+
+def plan_and_check(config: JobConfig, world_size: int, device_type: str) -> tuple[RunPlan, Tokenizer]:
+    """The run's plan and every check that needs neither communication nor a side effect (the one-line
+    ConfigError of bad input): the plan's, the metrics packages' and the tokenizer's against the model's vocabulary.
+    Each rank runs it first; ``titan-run`` (``trainer/launch.py``) runs it once before starting any rank."""
+    plan = resolve_plan(config, world_size, device_type)
+    check_metrics_packages(config)  # tensorboard, wandb: installed? (imported only when the logger is built)
+    tokenizer = Tokenizer(resolve_project_path(config.model.tokenizer_path))  # fails fast on a bad path
+    check_vocabulary(config, plan.model_args, tokenizer.vocab_size)
+    return plan, tokenizer
 
 
 class Trainer:
@@ -73,8 +84,7 @@ class Trainer:
     def _plan_before_communication(self) -> None:
         """Every decision and every check that needs no communication, before the process group exists."""
         config = self.config
-        self.plan = resolve_plan(config, self.dist.world_size, self.device.type)
-        check_metrics_packages(config)  # tensorboard, wandb: installed? (imported only when the logger is built)
+        self.plan, self.tokenizer = plan_and_check(config, self.dist.world_size, self.device.type)
         self.dims = self.plan.dims
         # Fault tolerance: one replica group of several; its lighthouse is checked before anything expensive.
         self.lighthouse = check_fault_tolerance(config, self.dims) if config.fault_tolerance.enable else None
@@ -94,8 +104,6 @@ class Trainer:
                                      write=self.dist.rank == 0)
             if why:
                 logger.info(why)
-        self.tokenizer = Tokenizer(resolve_project_path(config.model.tokenizer_path))  # fails fast on a bad path
-        check_vocabulary(config, self.plan.model_args, self.tokenizer.vocab_size)
         if config.training.deterministic:
             # Before the process group: ProcessGroupNCCL's constructor disables NCCL's non-deterministic NVLS
             # algorithms only when deterministic mode is already on (docs/parallelism.md).
