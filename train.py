@@ -25,9 +25,11 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     try:
+        from titan_simple.compile.cache_folder import check_cache_variable
         from titan_simple.config import load_job_config
 
         config = load_job_config(argv)
+        check_cache_variable()  # before torch's compiler is imported: it makes the folder at import
         if config.dry_run.enable:  # plan the run on this machine: one fake rank, meta tensors, no training
             from titan_simple.dry_run.run import run_dry_run
 

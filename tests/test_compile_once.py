@@ -233,6 +233,19 @@ def test_precompile_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
         assert "Traceback" not in stderr
 
 
+def test_an_unwritable_cache_variable_is_one_line_even_for_an_eager_run(tmp_path):
+    """torch makes TORCHINDUCTOR_CACHE_DIR when its compiler is imported, which the trainer's modules do even for an
+    eager run: train.py checks the variable first (a 30-line traceback from inside torch's import before)."""
+    file = tmp_path / "a_file"
+    file.write_text("")
+    env = {**_env(), "TORCHINDUCTOR_CACHE_DIR": str(file / "sub")}
+    done = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", "llama3_debug.toml", "--job.dump_folder",
+                           str(tmp_path / "dump")], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"error: TORCHINDUCTOR_CACHE_DIR '{file / 'sub'}' cannot be written (Not a directory): choose a folder this "
+        "process can write and every rank of the job can read."], done.stderr[-2000:]
+
+
 def _has_cuda() -> bool:
     import torch
 

@@ -25,12 +25,12 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 
+from titan_simple.compile.cache_folder import CACHE_DIR_VARIABLE, check_cache_folder_writable
 from titan_simple.compile.comm_plan import CommPlanRecorder
 from titan_simple.compile.compile_plan import CPU_THREADS
 from titan_simple.compile.inductor_private import (
@@ -39,12 +39,8 @@ from titan_simple.compile.inductor_private import (
     graph_cache_enabled,
     inductor_cache_dir,
 )
-from titan_simple.errors import ConfigError
 
 logger = logging.getLogger(__name__)
-
-CACHE_DIR_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
-
 
 def use_compile_cache(folder: str) -> str:
     """Point torch's compile caches at ``folder`` (``[compile] cache_dir``) for this process, unless the
@@ -58,18 +54,6 @@ def use_compile_cache(folder: str) -> str:
     check_cache_folder_writable(folder, f"[compile] cache_dir {folder!r}")
     os.environ[CACHE_DIR_VARIABLE] = os.path.abspath(folder)
     return os.environ[CACHE_DIR_VARIABLE]
-
-
-def check_cache_folder_writable(folder: str, name: str) -> None:
-    """The one-line ConfigError, before anything is built, of a compile cache folder this process cannot make or
-    write (``name`` says where it was set)."""
-    try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder):
-            pass
-    except OSError as error:
-        raise ConfigError(f"{name} cannot be written ({error.strerror or error}): choose a folder this process can "
-                          "write and every rank of the job can read.") from None
 
 
 def disable_compile_caches() -> None:

@@ -37,9 +37,11 @@ def check_job(script: str, script_args: list[str], world_size: int | None) -> No
     another script, a dry run or a precompile (train.py runs those in one process: they start no ranks)."""
     if Path(script).name != "train.py" or any(arg in ("-h", "--help") for arg in script_args):
         return
+    from titan_simple.compile.cache_folder import check_cache_variable
     from titan_simple.config import load_job_config
 
     config = load_job_config(script_args)
+    check_cache_variable()  # before the trainer's modules: importing torch's compiler makes the folder
     if config.dry_run.enable or config.compile.precompile_world_size or world_size is None:
         return
     import torch
