@@ -151,7 +151,9 @@ class Training:
     max_norm: float = option(1.0, "Clip the global gradient norm to this value; 0 disables clipping.")
     steps: int = option(10000, "Optimizer steps to train.")
     dataset: str = option(
-        "shakespeare", "Built-in 'shakespeare', or local files read as 'text', 'json', 'parquet' or 'auto'."
+        "shakespeare", "Built-in 'shakespeare' (each play one document) or 'shakespeare_paragraphs' (each paragraph "
+        "one: short documents, for block-causal masking), or local files read as 'text', 'json', 'parquet' or "
+        "'auto'."
     )
     dataset_path: str | None = option(
         None, "Local file, folder or glob for the dataset (needed unless the dataset is built in). With the "

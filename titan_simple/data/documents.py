@@ -26,10 +26,22 @@ def _require_text_column(documents: datasets.Dataset, where: str) -> datasets.Da
     return documents.select_columns(["text"])
 
 
+# Our readers -> Hugging Face's builder and its options: a text file is one document; "paragraphs" reads each
+# blank-line-separated paragraph of a text file as a document of its own.
+READERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "text": ("text", {"sample_by": "document"}), "paragraphs": ("text", {"sample_by": "paragraph"}),
+    "json": ("json", {}), "parquet": ("parquet", {}),
+}
+
+
+def _builder(reader: str) -> tuple[str, dict[str, Any]]:
+    return READERS.get(reader, (reader, {}))
+
+
 def load_documents_to_disk(builder: str, files: list[Path], where: str, scratch: Path,
                            num_proc: int) -> datasets.Dataset:
     """The documents of ``files`` in that order as a ``text`` column, in an Arrow cache under ``scratch``."""
-    options: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
+    builder, options = _builder(builder)
     try:
         documents = datasets.load_dataset(
             builder, data_files=[str(f) for f in files], split="train", cache_dir=str(scratch),
@@ -42,7 +54,7 @@ def load_documents_to_disk(builder: str, files: list[Path], where: str, scratch:
 
 
 def _stream(builder: str, files: list[Path]) -> datasets.IterableDataset:
-    options: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
+    builder, options = _builder(builder)
     return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", streaming=True, **options)
 
 
