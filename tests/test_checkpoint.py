@@ -394,6 +394,12 @@ def test_an_export_refuses_a_file_a_dcp_checkpoint_and_a_folder_holding_its_sour
         assert problem in err, err
     assert file.read_text() == "keep"
     assert_same_weights(loaded_weights(step), dict(model.named_parameters()))  # untouched
+    # --flavor is for a folder without complete.json: naming another model is refused, and the fix is the script's
+    assert run_export_script("--checkpoint", str(step), "--output", str(tmp_path / "hf"), "--flavor", "debugmodel") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --flavor debugmodel does not compute what checkpoint") and err.count("\n") == 1
+    assert err.rstrip().endswith("Leave --flavor out: the export reads the model from its complete.json (--flavor is "
+                                 "for a DCP folder without one).") and not (tmp_path / "hf").exists()
 
 
 def test_the_loader_refuses_a_folder_of_two_weight_sets_or_a_set_that_is_not_whole(tmp_path):
