@@ -32,7 +32,7 @@ DECISIONS = (
 # Outside the resolver, only generation resolves one decision: the model of the config, built on one process
 # without a layout (a Hugging Face folder's or the flavor's; titan_simple/generate.py).
 ALSO_CALLED_BY = {"model_args_for": {"titan_simple/generate.py"}}
-# Config keys that feed a decision: read only by config.py and the plan.
+# Config keys that feed a decision: read only by the config package and the plan.
 DECISION_KEYS = {
     "parallelism": {"fsdp_gather", "fsdp_reshard_after_forward", "fsdp_implementation", "disable_loss_parallel",
                     "pipeline_parallel_schedule", "enable_async_tensor_parallel"},
@@ -76,7 +76,7 @@ def test_each_decision_has_one_function_and_only_the_resolver_calls_it():
 def test_no_module_reads_a_decision_key_but_the_config_and_the_plan():
     readers = []
     for path, tree in _sources().items():
-        if path.name == "config.py" or path == PLAN_FILE:
+        if path.parent.name == "config" or path == PLAN_FILE:
             continue
         for node in ast.walk(tree):
             # <anything>.<section>.<key>, e.g. config.parallelism.fsdp_gather
@@ -141,8 +141,9 @@ def test_no_import_cycle():
 
 
 def test_package_modules_stay_under_500_lines():
+    # config/schema.py is declarations only, each field documented where declared (the --help manual)
     long = {str(p.relative_to(REPO)): n for p in (REPO / "titan_simple").rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 500 and p.name != "config.py"}
+            if (n := len(p.read_text().splitlines())) > 500 and p != REPO / "titan_simple" / "config" / "schema.py"}
     assert long == {}
 
 

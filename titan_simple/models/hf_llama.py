@@ -272,7 +272,7 @@ def matching_flavors(args: ModelArgs) -> list[str]:
     return [name for name, flavor in LLAMA3_FLAVORS.items() if not model_differences(args, flavor)]
 
 
-# The [model] keys that choose a model (config.py), as complete.json records them (from_config.model_choice):
+# The [model] keys that choose a model (config/schema.py), as complete.json records them (from_config.model_choice):
 # hf_config (a resolved folder) or flavor, then the two overrides; None where unset.
 MODEL_KEYS = ("hf_config", "flavor", "rope_scaling", "n_layers")
 _OVERRIDDEN = {"rope_scaling": "rope_scaling", "n_layers": "num_hidden_layers"}  # override -> function field

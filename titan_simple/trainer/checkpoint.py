@@ -164,7 +164,7 @@ class CheckpointManager:
 
     def __init__(
         self,
-        config: Any,  # JobConfig (not imported: config.py imports nothing from train/)
+        config: Any,  # JobConfig
         *,
         model_parts: list[nn.Module],
         optimizer: torch.optim.Optimizer,
