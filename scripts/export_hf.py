@@ -29,7 +29,6 @@ if TYPE_CHECKING:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from titan_simple.models.hf_llama import model_differences
     from titan_simple.models.llama3 import LLAMA3_FLAVORS
     from titan_simple.trainer.checkpoint import EXPORT_DTYPES, complete_steps, export_hf, find_checkpoint, model_args_of
 
@@ -48,13 +47,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"checkpoint {checkpoint} does not exist.")
         if not (checkpoint / ".metadata").is_file() and complete_steps(checkpoint):
             checkpoint = find_checkpoint(checkpoint)
-        recorded = model_args_of(checkpoint)
-        if args.flavor and recorded is not None and (wrong := model_differences(LLAMA3_FLAVORS[args.flavor],
-                                                                                  recorded, "complete.json")):
-            raise ConfigError(f"--flavor {args.flavor} does not compute what checkpoint {checkpoint} was saved by: "
-                              f"{'; '.join(wrong)}. Leave --flavor out: the export reads the model from its "
-                              "complete.json (--flavor is for a DCP folder without one).")
-        model_args = LLAMA3_FLAVORS[args.flavor] if args.flavor else recorded
+        model_args = LLAMA3_FLAVORS[args.flavor] if args.flavor else model_args_of(checkpoint)
         if model_args is None:
             raise ConfigError(f"checkpoint {checkpoint} records no model shape (no complete.json); pass --flavor.")
         if args.max_seq_len is not None:

