@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -72,7 +73,9 @@ def transfer(rank: int, port: int, kind: str, gb: float, out: mp.Queue) -> None:
 
 
 def measure(kind: str, gb: float) -> tuple[float, bool]:
-    port = harness.free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     context = mp.get_context("spawn")
     out = context.Queue()
     procs = [context.Process(target=transfer, args=(rank, port, kind, gb, out)) for rank in (0, 1)]

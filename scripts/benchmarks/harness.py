@@ -12,7 +12,7 @@ trainer's metrics the same way and rewrites its doc block the same way:
   exit status, output, seconds; ``Job.check`` turns a failure into one error with the output's tail;
 * ``read_metrics``: the records of a run's ``metrics.jsonl``;
 * ``splice`` / ``write_block``: replace the block between a doc's two marker lines (a missing marker is one error);
-* ``save_json`` and ``free_port``.
+* ``save_json``: a script's raw results (``results.json``, ``--json FILE``).
 
 Scripts import it as ``import harness`` (Python puts a script's own folder first on ``sys.path``, torchrun and
 multiprocessing's spawned children too). It imports only the standard library: no torch, nothing slow.
@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -170,10 +169,3 @@ def write_block(path: Path, begin: str, end: str, text: str) -> None:
 def save_json(path: str | Path, data: Any) -> None:
     """``data`` as indented JSON (one space a level) at ``path``."""
     Path(path).write_text(json.dumps(data, indent=1))
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 free right now (the OS picks it), for a rendezvous store."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
