@@ -1,10 +1,12 @@
 """scripts/benchmarks/benchmark.py: the configuration matrix, the interleaved schedule, the aggregation and table, the
-targets, and one real job end to end (torchrun, the Trainer, the worker's JSON)."""
+targets, and one real job end to end (torchrun, the Trainer, the worker's JSON); the harness every benchmark script
+shares (scripts/benchmarks/harness.py): its doc blocks and its metrics reader."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -13,10 +15,20 @@ from pathlib import Path
 import pytest
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("benchmark", PROJECT_DIR / "scripts" / "benchmarks" / "benchmark.py")
-benchmark = importlib.util.module_from_spec(_spec)
-sys.modules["benchmark"] = benchmark  # dataclasses need the module registered
-_spec.loader.exec_module(benchmark)
+
+
+def _load_script(name: str):
+    """scripts/benchmarks/<name>.py as the module ``name``, registered (dataclasses need it, and the scripts
+    ``import harness`` as their sibling: Python puts a script's folder on sys.path, pytest does not)."""
+    spec = importlib.util.spec_from_file_location(name, PROJECT_DIR / "scripts" / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+harness = _load_script("harness")
+benchmark = _load_script("benchmark")
 
 
 def test_matrix_has_every_configuration_the_issue_asks_for():
@@ -189,3 +201,66 @@ def test_quick_tiny_job_end_to_end(tmp_path):
     assert s["collectives"]["all_gather"] == 13 and s["collectives"]["reduce_scatter"] == 7
     report = (out / "report.md").read_text()
     assert "| smoke test | 2 | FSDP2 eager |" in report
+
+
+DOC = """# Results
+
+Intro, with a <!-- not a marker --> comment.
+
+<!-- table: begin -->
+| old | table |
+<!-- table: end -->
+
+Text after the block stays.
+<!-- table: end -->
+"""
+
+
+def test_a_doc_block_is_replaced_between_its_markers_and_nothing_else_changes():
+    begin, end = "<!-- table: begin -->", "<!-- table: end -->"
+    new = harness.splice(DOC, begin, end, "| new |\n|---|")
+    head, block_and_tail = DOC.split(begin)
+    assert new.startswith(head)
+    assert new[len(head):].startswith(f"{begin}\n| new |\n|---|\n{end}\n\nText after the block stays.\n{end}\n")
+    assert "| old | table |" not in new
+    # Rewriting is idempotent: the same text spliced again gives the same doc.
+    assert harness.splice(new, begin, end, "| new |\n|---|") == new
+
+
+def test_a_missing_marker_is_one_clear_error(tmp_path):
+    for begin, end, missing in (("<!-- other: begin -->", "<!-- other: end -->", "<!-- other: begin -->"),
+                                ("<!-- table: begin -->", "<!-- table: stop -->", "<!-- table: stop -->")):
+        with pytest.raises(ValueError, match=f"no '{missing}' marker"):
+            harness.splice(DOC, begin, end, "x")
+    doc = tmp_path / "doc.md"
+    doc.write_text(DOC)
+    with pytest.raises(SystemExit) as exit_info:
+        harness.write_block(doc, "<!-- other: begin -->", "<!-- other: end -->", "x")
+    message = str(exit_info.value.code)
+    assert message.startswith(f"{doc}: no '<!-- other: begin -->' marker") and "\n" not in message
+    assert doc.read_text() == DOC  # nothing written
+
+
+def test_every_doc_marker_a_benchmark_names_is_in_the_docs():
+    """A rerun finds its block: every marker string a script under scripts/benchmarks holds is in a doc (a missing
+    block is an error, no longer appended at the end of the doc)."""
+    markers = {m for script in (PROJECT_DIR / "scripts" / "benchmarks").glob("*.py")
+               for m in re.findall(r"\"(<!-- [^\"]*? -->)\"", script.read_text())}
+    assert len(markers) >= 18, markers  # 9 scripts, a begin and an end each
+    docs = "".join(p.read_text() for p in (PROJECT_DIR / "docs").glob("*.md"))
+    assert sorted(m for m in markers if m not in docs) == []
+
+
+def test_metrics_are_read_from_a_dump_folder_skipping_a_cut_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    assert harness.read_metrics(tmp_path) == [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}]
+    assert harness.read_metrics(tmp_path / "metrics.jsonl") == harness.read_metrics(tmp_path)
+
+
+def test_a_job_runs_from_the_repo_root_with_the_benchmark_environment():
+    job = harness.launch("-c", "import json, os; print(json.dumps([os.getcwd(), os.environ['OMP_NUM_THREADS'], "
+                         "os.environ['PYTHONPATH'].split(os.pathsep)[0]]))")
+    assert job.check("the probe").last_json() == [str(PROJECT_DIR), "1", str(PROJECT_DIR)]
+    failed = harness.launch("-c", "import sys; sys.exit('broken: 42')")
+    with pytest.raises(SystemExit, match=r"the probe failed \(1\):\nbroken: 42"):
+        failed.check("the probe")

@@ -51,9 +51,7 @@ import itertools
 import json
 import logging
 import os
-import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,9 +60,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-PROJECT_DIR = Path(__file__).resolve().parents[2]
-DOC = PROJECT_DIR / "docs" / "benchmarks.md"
-PLOT = PROJECT_DIR / "docs" / "benchmarks.png"
+import harness
+
+DOC = harness.DOCS / "benchmarks.md"
+PLOT = harness.DOCS / "benchmarks.png"
 BEGIN, END = "<!-- benchmark.py: begin -->", "<!-- benchmark.py: end -->"
 MIB = 2**20
 
@@ -548,41 +547,21 @@ def launch(run: Run, steps: int, warmup: int, out_dir: Path, profile: str | None
     job_dir.mkdir(parents=True, exist_ok=True)
     result_path = job_dir / "result.json"
     total_steps = warmup + steps + (0 if profile else 1)
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "HF_HUB_OFFLINE": "1",
-        "HF_DATASETS_OFFLINE": "1",
-        # One Inductor cache per benchmark invocation, so the C++ kernels (the bulk of a cold CPU compile:
-        # minutes on this machine) are built once and shared by every job; the FX-graph and AOTAutograd caches
-        # are off, so every compiled job still traces and lowers its graphs (what "compile s" reports).
-        "TORCHINDUCTOR_CACHE_DIR": str(out_dir / "inductor_cache"),
-        "TORCHINDUCTOR_FX_GRAPH_CACHE": "0",
-        "TORCHINDUCTOR_AUTOGRAD_CACHE": "0",
-        "PYTHONPATH": str(PROJECT_DIR) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
-    torchrun = Path(sys.executable).parent / "torchrun"
-    command = [
-        str(torchrun) if torchrun.exists() else "torchrun", "--standalone", f"--nproc_per_node={run.world_size}",
-        str(Path(__file__).resolve()), "--worker", f"--result={result_path}", f"--warmup={warmup}",
+    # One Inductor cache per benchmark invocation, so the C++ kernels (the bulk of a cold CPU compile: minutes on
+    # this machine) are built once and shared by every job; the FX-graph and AOTAutograd caches are off, so every
+    # compiled job still traces and lowers its graphs (what "compile s" reports).
+    env = harness.benchmark_env(TORCHINDUCTOR_CACHE_DIR=str(out_dir / "inductor_cache"),
+                                TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")
+    job = harness.launch(
+        Path(__file__).resolve(), "--worker", f"--result={result_path}", f"--warmup={warmup}",
         *([f"--profile={profile}"] if profile else []),
         *trainer_overrides(run.workload, run.config, total_steps, str(job_dir / "dump")),
-    ]
-    start = time.perf_counter()
-    with open(job_dir / "log.txt", "w") as log:
-        try:
-            proc = subprocess.run(command, env=env, cwd=PROJECT_DIR, stdout=log, stderr=subprocess.STDOUT,
-                                  timeout=timeout_s)
-            rc = proc.returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    elapsed = time.perf_counter() - start
-    if rc != 0 or not result_path.exists():
-        tail = (job_dir / "log.txt").read_text()[-3000:]
-        print(f"  FAILED ({rc}) after {elapsed:.0f} s: {tag}\n{tail}", flush=True)
+        nproc=run.world_size, env=env, log=job_dir / "log.txt", timeout=timeout_s)
+    if not job.ok or not result_path.exists():
+        print(f"  FAILED ({job.returncode}) after {job.seconds:.0f} s: {tag}\n{job.tail()}", flush=True)
         return None
     result = json.loads(result_path.read_text())
-    result["job_seconds"] = elapsed
+    result["job_seconds"] = job.seconds
     return result
 
 
@@ -634,17 +613,6 @@ def machine_description() -> str:
     return f"{cpu}, {os.cpu_count()} logical CPUs, torch {torch.__version__} (CPU, gloo), Python {python}"
 
 
-def write_doc(text: str) -> None:
-    block = f"{BEGIN}\n{text}\n{END}"
-    doc = DOC.read_text() if DOC.exists() else "# Benchmarks\n"
-    if BEGIN in doc and END in doc:
-        doc = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, doc, flags=re.S)
-    else:
-        doc = doc.rstrip() + "\n\n" + block + "\n"
-    DOC.write_text(doc)
-    print(f"wrote {DOC}")
-
-
 def report(results, configs, args, argv: Sequence[str], elapsed_s: float) -> str:
     repeats = f"{args.repeats} interleaved repeat(s)" + (f" (world size=repeats: {args.world_size_repeats})"
                                                           if args.world_size_repeats else "")
@@ -680,8 +648,8 @@ def driver_main(argv: list[str]) -> None:
     parser.add_argument("--world-sizes", default="2,4")
     parser.add_argument("--configs", default="all", help="comma list of configuration names, or all")
     parser.add_argument("--out", default=None, help="folder for the jobs' logs and results.json")
-    parser.add_argument("--doc", action="store_true", help=f"rewrite the table in {DOC.relative_to(PROJECT_DIR)} "
-                        f"and {PLOT.relative_to(PROJECT_DIR)}")
+    parser.add_argument("--doc", action="store_true", help=f"rewrite the table in {DOC.relative_to(harness.REPO)} "
+                        f"and {PLOT.relative_to(harness.REPO)}")
     parser.add_argument("--plot", default=None, help="write the plot here (default: with --doc, docs/)")
     parser.add_argument("--profile", default=None, metavar="CONFIG",
                         help="profile one measured step of CONFIG (first workload and world size) and print "
@@ -755,7 +723,7 @@ def driver_main(argv: list[str]) -> None:
               f"peak {s['peak_rss_mib']:6,.0f} MiB  delta {s['rss_delta_mib']:5,.0f}  "
               f"coll {format_collectives(s['collectives'])}  compile {s['compile_s']:5.1f} s  "
               f"mfu {s['mfu_percent']:.1f}%  (job {result['job_seconds']:.0f} s)", flush=True)
-        (out_dir / "results.json").write_text(json.dumps(raw, indent=1))
+        harness.save_json(out_dir / "results.json", raw)
     if not summaries:
         raise SystemExit("every job failed; see the logs above")
     order = {(w.name, ws, c.name): i for i, (w, ws, c) in
@@ -775,7 +743,8 @@ def driver_main(argv: list[str]) -> None:
     print(text)
     (out_dir / "report.md").write_text(text + "\n")
     if args.doc:
-        write_doc(text)
+        harness.write_block(DOC, BEGIN, END, text)
+        print(f"wrote {DOC}")
     plot_path = Path(args.plot) if args.plot else (PLOT if args.doc else None)
     if plot_path is not None:
         plot(results, known, plot_path)

@@ -22,12 +22,11 @@ import json
 import os
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+import harness
 import torch
 import torch.nn.functional as F
 
@@ -35,8 +34,7 @@ from titan_simple.data.datasets import shakespeare_files
 from titan_simple.data.tokenizer import Tokenizer
 from titan_simple.models.attention import block_causal_mask, document_ids
 
-PROJECT_DIR = Path(__file__).resolve().parents[2]
-DOC = PROJECT_DIR / "docs" / "benchmarks.md"
+DOC = harness.DOCS / "benchmarks.md"
 MARKERS = ("<!-- attention table -->", "<!-- /attention table -->")
 SEQ_LEN = 2048
 ROWS = {
@@ -62,17 +60,13 @@ def short_document_corpus(folder: Path) -> Path:
 def run_job(name: str, corpus: Path, folder: Path, steps: int, warmup: int) -> float:
     """Median tokens/s per rank over the steps after ``warmup`` of one 2-process compiled job."""
     dump = folder / f"{name.replace(' ', '_')}_{time.monotonic_ns()}"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-               "--config", "configs/llama3_debug.toml", "--model.flavor=debugmodel_large",
-               f"--training.seq_len={SEQ_LEN}", "--training.local_batch_size=1", "--training.global_batch_size=2",
-               f"--training.steps={steps + warmup}", f"--training.dataset_path={corpus}",
-               f"--training.data_cache={folder / 'data_cache'}", "--compile.enable", "--metrics.log_freq=1",
-               "--checkpoint.enable=false", "--validation.enable=false", "--metrics.enable_tensorboard=false",
-               f"--job.dump_folder={dump}", *ROWS[name]]
-    proc = subprocess.run(command, cwd=PROJECT_DIR, capture_output=True, text=True)
-    if proc.returncode:
-        raise RuntimeError(f"{name} failed:\n{proc.stderr[-3000:]}")
-    metrics = [json.loads(line) for path in dump.rglob("metrics.jsonl") for line in path.read_text().splitlines()]
+    harness.launch(harness.TRAIN, "--config", "configs/llama3_debug.toml", "--model.flavor=debugmodel_large",
+                   f"--training.seq_len={SEQ_LEN}", "--training.local_batch_size=1", "--training.global_batch_size=2",
+                   f"--training.steps={steps + warmup}", f"--training.dataset_path={corpus}",
+                   f"--training.data_cache={folder / 'data_cache'}", "--compile.enable", "--metrics.log_freq=1",
+                   "--checkpoint.enable=false", "--validation.enable=false", "--metrics.enable_tensorboard=false",
+                   f"--job.dump_folder={dump}", *ROWS[name], nproc=2).check(name)
+    metrics = harness.read_metrics(dump)
     speeds = [m["throughput(tps)"] for m in metrics if m.get("step", 0) > warmup and "throughput(tps)" in m]
     return statistics.median(speeds)
 
@@ -80,7 +74,7 @@ def run_job(name: str, corpus: Path, folder: Path, steps: int, warmup: int) -> f
 def attention_seconds(corpus: Path, repeats: int = 5) -> dict[str, float]:
     """Forward + backward seconds of one SDPA call at the benchmark model's shape, median of ``repeats``."""
     torch.set_num_threads(1)
-    tokenizer = Tokenizer(str(PROJECT_DIR / "assets" / "tokenizer" / "shakespeare_bpe_2k.json"))
+    tokenizer = Tokenizer(str(harness.REPO / "assets" / "tokenizer" / "shakespeare_bpe_2k.json"))
     texts = [json.loads(line)["text"] for line in corpus.read_text().splitlines()[1000:1200]]
     row = torch.tensor([t for ids in tokenizer.encode_batch(texts) for t in ids][:SEQ_LEN])[None]
     block = block_causal_mask(document_ids(row, tokenizer.eos_id))
@@ -123,7 +117,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="measured steps per job")
     parser.add_argument("--warmup", type=int, default=2, help="steps before measuring (compilation)")
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--doc", action="store_true", help=f"rewrite the table in {DOC.relative_to(PROJECT_DIR)}")
+    parser.add_argument("--doc", action="store_true", help=f"rewrite the table in {DOC.relative_to(harness.REPO)}")
     args = parser.parse_args()
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
@@ -139,9 +133,7 @@ def main() -> None:
     text = table(speeds, attention, load)
     print(text)
     if args.doc:
-        doc = DOC.read_text()
-        start, end = doc.index(MARKERS[0]) + len(MARKERS[0]), doc.index(MARKERS[1])
-        DOC.write_text(doc[:start] + "\n" + text + "\n" + doc[end:])
+        harness.write_block(DOC, *MARKERS, text)
 
 
 if __name__ == "__main__":

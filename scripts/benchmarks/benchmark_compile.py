@@ -29,14 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-PROJECT_DIR = Path(__file__).resolve().parents[2]
-DOC = PROJECT_DIR / "docs" / "benchmarks.md"
+import harness
+
+DOC = harness.DOCS / "benchmarks.md"
 BEGIN, END = "<!-- benchmark_compile.py: begin -->", "<!-- benchmark_compile.py: end -->"
 JOB = ["--config", "llama3_debug.toml", "--training.steps", "1", "--metrics.log_freq", "1",
        "--lr_scheduler.warmup_steps", "1"]
@@ -85,19 +85,15 @@ def run_job(depth: int, mode: str, dump: Path, out: Path) -> dict:
     (the whole model, or regionally: ``--compile.regional``), or ``eager``."""
     tag = mode.replace(" ", "_")
     result = out / f"depth{depth}_{tag}.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}  # torch's defaults
-    env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    env = harness.benchmark_env(drop=("TORCHINDUCTOR_",))  # torch's default compile caches
     compile_args = [] if mode == "eager" else ["--compile.enable"]
     if "regional" in mode:
         compile_args.append("--compile.regional")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", __file__,
-               "--worker", "--result", str(result), *JOB, "--model.n_layers", str(depth), *compile_args,
-               "--job.dump_folder", str(dump)]
-    start = time.perf_counter()
-    with open(out / f"depth{depth}_{tag}.log", "w") as log:
-        subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=PROJECT_DIR)
+    job = harness.launch(Path(__file__).resolve(), "--worker", "--result", result, *JOB, "--model.n_layers",
+                         str(depth), *compile_args, "--job.dump_folder", dump, nproc=2, env=env,
+                         log=out / f"depth{depth}_{tag}.log").check(f"{depth} blocks, {mode}")
     figures = json.loads(result.read_text())
-    figures["job_s"] = time.perf_counter() - start
+    figures["job_s"] = job.seconds
     return figures
 
 
@@ -117,22 +113,12 @@ def table(results: dict[int, dict[str, dict]]) -> str:
     return "\n".join(rows)
 
 
-def write_doc(text: str) -> None:
-    doc = DOC.read_text()
-    if BEGIN in doc:
-        head, rest = doc.split(BEGIN, 1)
-        doc = f"{head}{BEGIN}\n{text}\n{END}{rest.split(END, 1)[1]}"
-    else:
-        doc = doc.rstrip() + f"\n\n## Compile time against depth\n\n{BEGIN}\n{text}\n{END}\n"
-    DOC.write_text(doc)
-
-
 def driver_main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--depths", default="6,12,24,48", help="comma list of transformer block counts")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     parser.add_argument("--out", default=None, help="folder for the jobs' dump folders, logs and results")
-    parser.add_argument("--doc", action="store_true", help=f"rewrite the table in {DOC.relative_to(PROJECT_DIR)}")
+    parser.add_argument("--doc", action="store_true", help=f"rewrite the table in {DOC.relative_to(harness.REPO)}")
     args = parser.parse_args(argv)
     out = Path(args.out or tempfile.mkdtemp(prefix="benchmark_compile_"))
     out.mkdir(parents=True, exist_ok=True)
@@ -152,9 +138,9 @@ def driver_main(argv: list[str]) -> None:
             "`python scripts/benchmarks/benchmark_compile.py --doc`.\n\n"
             + table(results))
     print(text)
-    (out / "results.json").write_text(json.dumps({str(k): v for k, v in results.items()}, indent=1))
+    harness.save_json(out / "results.json", {str(k): v for k, v in results.items()})
     if args.doc:
-        write_doc(text)
+        harness.write_block(DOC, BEGIN, END, text)
 
 
 if __name__ == "__main__":

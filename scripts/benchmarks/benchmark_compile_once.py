@@ -23,14 +23,15 @@ import logging
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-DOC = REPO / "docs" / "benchmarks.md"
+import harness
+
+DOC = harness.DOCS / "benchmarks.md"
+BEGIN, END = "<!-- compile-once table -->", "<!-- /compile-once table -->"
 BASE = ["--config", "llama3_debug.toml", "--metrics.log_freq", "1",
         "--training.mixed_precision_param", "float32", "--compile.enable", "--lr_scheduler.warmup_steps", "1"]
 LAYOUTS = {
@@ -101,31 +102,24 @@ def run_job(layout: str, mode: str, root: Path, steps: int = 2) -> dict:
 
     folder = root / f"{layout.replace(' ', '')}-{mode.split()[0]}"
     cache = folder / "compile_cache"
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    env.update(OMP_NUM_THREADS="1", BENCH_OUT=str(folder), PYTHONPATH=str(REPO))
-    if mode == "every rank compiles":  # no rank finds another's graph in the cache: each compiles all of them
-        env.update(TORCHINDUCTOR_FX_GRAPH_CACHE="0", TORCHINDUCTOR_AUTOGRAD_CACHE="0")
+    # no rank finds another's graph in the cache when every rank compiles: each compiles all of them
+    no_cache = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+    env = harness.benchmark_env(drop=("TORCHINDUCTOR_CACHE_DIR",), BENCH_OUT=str(folder),
+                                **(no_cache if mode == "every rank compiles" else {}))
     args = [*BASE, "--training.steps", str(steps), *LAYOUTS[layout], *MODES[mode],
             "--job.dump_folder", str(folder / "dump"), "--compile.cache_dir", str(cache)]
     folder.mkdir(parents=True)
     precompile_seconds = None
     if mode == "precompiled":
-        start = time.time()
-        subprocess.run([sys.executable, str(REPO / "train.py"), *args, "--compile.precompile_world_size", "4"],
-                       check=True, env=env, cwd=REPO, capture_output=True)
-        precompile_seconds = time.time() - start
-    launch = time.time()
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone",
-                           __file__, "--worker", *args], env=env, cwd=REPO, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{layout} / {mode} failed:\n{done.stderr[-4000:]}")
+        precompile = harness.launch(harness.TRAIN, *args, "--compile.precompile_world_size", "4", env=env)
+        precompile_seconds = precompile.check(f"{layout} / precompiling").seconds
+    job = harness.launch(Path(__file__).resolve(), "--worker", *args, nproc=4, env=env).check(f"{layout} / {mode}")
     marks = [json.loads((folder / f"rank{r}.json").read_text()) for r in range(4)]
     compile_cpu = [(m["step1"][0] - m["train"][0]) - (m["step2"][0] - m["step1"][0]) for m in marks]
-    metrics = [json.loads(line) for line in (folder / "dump" / "metrics.jsonl").read_text().splitlines()]
-    summary = [line.split("compile once ", 1)[1] for line in (done.stdout + done.stderr).splitlines()
-               if "compile once (" in line]
+    metrics = harness.read_metrics(folder / "dump")
+    summary = [line.split("compile once ", 1)[1] for line in job.output.splitlines() if "compile once (" in line]
     return {"layout": layout, "mode": mode, "compile_cpu": compile_cpu, "leads": [m["leads"] for m in marks],
-            "step1_wall": marks[0]["step1"][1] - launch,
+            "step1_wall": marks[0]["step1"][1] - job.started,
             "losses": [(r["loss_metrics/global_avg_loss"], r["grad_norm"]) for r in metrics],
             # steady state, after the compiling step and the one after it: the compiled code each mode runs
             "tokens_per_second": statistics.median(r[TOKENS_PER_SECOND] for r in metrics[2:]) if steps > 2 else None,
@@ -176,18 +170,7 @@ def main() -> None:
     lines += [f"- {r['layout']}, {r['mode']}: `compile once {r['summary']}`" for r in results if r["summary"]]
     print("\n".join(lines))
     if args.doc:
-        write_doc(lines)
-
-
-def write_doc(lines: list[str]) -> None:
-    text = DOC.read_text()
-    begin, end = "<!-- compile-once table -->", "<!-- /compile-once table -->"
-    block = "\n".join([begin, *lines, end])
-    if begin in text:
-        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
-    else:
-        text += "\n" + block + "\n"
-    DOC.write_text(text)
+        harness.write_block(DOC, BEGIN, END, "\n".join(lines))
 
 
 if __name__ == "__main__":

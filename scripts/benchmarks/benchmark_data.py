@@ -25,16 +25,14 @@ import argparse
 import json
 import os
 import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
-DOC = REPO / "docs" / "benchmarks.md"
+import harness
+
+DOC = harness.DOCS / "benchmarks.md"
 BEGIN, END = "<!-- benchmark_data: begin -->", "<!-- benchmark_data: end -->"
-TOKENIZER = REPO / "assets" / "tokenizer" / "shakespeare_bpe_2k.json"
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+TOKENIZER = harness.REPO / "assets" / "tokenizer" / "shakespeare_bpe_2k.json"
 
 
 def make_corpus(folder: Path, megabytes: int) -> list[Path]:
@@ -106,26 +104,20 @@ def run_build(files: list[Path], cache: Path, num_proc: int) -> dict:
     import shutil
 
     shutil.rmtree(cache, ignore_errors=True)
-    command = [sys.executable, __file__, "--worker-build", json.dumps([str(f) for f in files]), str(cache),
-               str(num_proc)]
-    result = subprocess.run(command, capture_output=True, text=True, env=ENV, cwd=REPO)
-    if result.returncode:
-        raise SystemExit(result.stderr[-3000:])
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    job = harness.launch(Path(__file__).resolve(), "--worker-build", json.dumps([str(f) for f in files]), cache,
+                         str(num_proc))
+    return job.check(f"building the store with {num_proc} process(es)").last_json()
 
 
 def run_training(name: str, dump: Path, cache: Path, *extra: str) -> dict:
     import shutil
 
     shutil.rmtree(dump, ignore_errors=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "train.py",
-               "--config", "llama3_debug.toml", "--training.steps", "20", "--training.local_batch_size", "8",
-               "--training.seq_len", "2048", "--metrics.log_freq", "1", "--metrics.enable_tensorboard", "false",
-               "--job.dump_folder", str(dump), "--training.data_cache", str(cache), *extra]
-    result = subprocess.run(command, capture_output=True, text=True, env=ENV, cwd=REPO)
-    if result.returncode:
-        raise SystemExit(result.stderr[-3000:])
-    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    harness.launch(harness.TRAIN, "--config", "llama3_debug.toml", "--training.steps", "20",
+                   "--training.local_batch_size", "8", "--training.seq_len", "2048", "--metrics.log_freq", "1",
+                   "--metrics.enable_tensorboard", "false", "--job.dump_folder", dump, "--training.data_cache", cache,
+                   *extra, nproc=2).check(f"training on {name}")
+    records = harness.read_metrics(dump)
     measured = [r for r in records if r["step"] > 2]
     return {"name": name, "peak_rss_gib": max(r["memory/peak_rss(GiB)"] for r in records),
             "data_percent": sum(r["time_metrics/data_loading(%)"] for r in measured) / len(measured)}
@@ -164,9 +156,8 @@ def main() -> None:
     print(f"big: {big['bytes'] / 2**20:.0f} MiB, {big['tokens']:,} tokens in {big['seconds']:.1f} s; "
           f"open {big['open_ms']:.2f} ms")
     # The built-in corpus's store is built first, so that neither run's peak RSS includes a build.
-    subprocess.run([sys.executable, "scripts/prepare_data.py", "--config", "llama3_debug.toml",
-                    "--training.data_cache", str(work / "cache_builtin")], check=True, env=ENV, cwd=REPO,
-                   capture_output=True)
+    harness.launch(harness.REPO / "scripts" / "prepare_data.py", "--config", "llama3_debug.toml",
+                   "--training.data_cache", work / "cache_builtin").check("scripts/prepare_data.py")
     trainings = [
         run_training("built-in shakespeare (5.4 MB)", work / "dump_builtin", work / "cache_builtin"),
         run_training(f"{big['bytes'] / 2**30:.2f} GiB jsonl", work / "dump_big", work / "cache_big",
@@ -178,11 +169,12 @@ def main() -> None:
     load_after = os.getloadavg()[0]
     print(f"load average after: {load_after:.2f}")
     if args.doc:
-        write_doc(builds, big, trainings, load, args)
+        harness.write_block(DOC, BEGIN, END, doc_block(builds, big, trainings, load, args))
 
 
-def write_doc(builds: list[dict], big: dict, trainings: list[dict], load: float, args: argparse.Namespace) -> None:
-    lines = [BEGIN, "",
+def doc_block(builds: list[dict], big: dict, trainings: list[dict], load: float, args: argparse.Namespace) -> str:
+    """The doc's "Data" block (between its markers, set off by blank lines)."""
+    lines = ["",
              f"`python scripts/benchmarks/benchmark_data.py --doc --build-mb {args.build_mb} --big-mb {args.big_mb}` "
              f"({time.strftime('%Y-%m-%d')}, 2 cores, load average {load:.2f} at the start).", "",
              "| token store build | text | documents | tokens | wall s | tokens/s | open (ms) |",
@@ -195,14 +187,7 @@ def write_doc(builds: list[dict], big: dict, trainings: list[dict], load: float,
               "(% of the step) |", "|---|---:|---:|"]
     for t in trainings:
         lines.append(f"| {t['name']} | {t['peak_rss_gib'] * 1024:,.0f} MiB | {t['data_percent']:.2f}% |")
-    lines += ["", END]
-    text = DOC.read_text()
-    block = "\n".join(lines)
-    if BEGIN in text:
-        text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip() + "\n\n## Data: the token store\n\n" + block + "\n"
-    DOC.write_text(text)
+    return "\n".join([*lines, ""])
 
 
 if __name__ == "__main__":

@@ -19,21 +19,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+import harness
+
 BEGIN, END = "<!-- benchmark:begin -->", "<!-- benchmark:end -->"
 STEP_S = "time_metrics/end_to_end(s)"
 LIVE = "fault_tolerance/live_groups"
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def common_args(steps: int) -> list[str]:
@@ -43,25 +37,24 @@ def common_args(steps: int) -> list[str]:
 
 def run_plain(dump: Path, steps: int, *extra: str) -> list[dict]:
     shutil.rmtree(dump, ignore_errors=True)  # metrics.jsonl is appended to: start from an empty folder
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone",
-               str(REPO / "train.py"), *common_args(steps), "--job.dump_folder", str(dump), *extra]
-    subprocess.run(command, check=True, cwd=REPO, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    return read_jsonl(dump / "metrics.jsonl")
+    harness.launch(harness.TRAIN, *common_args(steps), "--job.dump_folder", dump, *extra, nproc=4).check(
+        f"the 4-process run in {dump.name}")
+    return harness.read_metrics(dump)
 
 
 def run_groups(dump: Path, steps: int, kills: list[str], *extra: str) -> tuple[list[dict], list[dict], list, list]:
     shutil.rmtree(dump, ignore_errors=True)
     # The lighthouse gives up on a silent group after 2 s (torchft's default: 5 s): a restart here takes ~7 s, so
     # with 5 s the survivors would often wait for the restarted group instead of going on alone.
-    command = [sys.executable, str(REPO / "scripts" / "fault_tolerance.py"), "--groups", "2", "--nproc", "2",
-               "--dump-folder", str(dump), "--restart", str(len(kills)), "--heartbeat-timeout-ms", "2000",
-               *[f"--kill={k}" for k in kills], "--", *common_args(steps), *extra]
-    subprocess.run(command, check=True, cwd=REPO, capture_output=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    harness.launch(harness.REPO / "scripts" / "fault_tolerance.py", "--groups", "2", "--nproc", "2",
+                   "--dump-folder", dump, "--restart", str(len(kills)), "--heartbeat-timeout-ms", "2000",
+                   *[f"--kill={k}" for k in kills], "--", *common_args(steps), *extra).check(
+        f"the replica groups in {dump.name}")
     return read_failure_run(dump)
 
 
 def read_failure_run(dump: Path) -> tuple[list[dict], list[dict], list, dict]:
-    return (read_jsonl(dump / "replica_0" / "metrics.jsonl"), read_jsonl(dump / "replica_1" / "metrics.jsonl"),
+    return (harness.read_metrics(dump / "replica_0"), harness.read_metrics(dump / "replica_1"),
             json.loads((dump / "launcher_events.json").read_text()),
             json.loads((dump / "launcher_steps.json").read_text()))
 
@@ -128,8 +121,8 @@ def table(results: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--out", default=str(REPO / "docs" / "fault_tolerance.md"))
-    parser.add_argument("--dump", default=str(REPO / "outputs" / "benchmark_fault_tolerance"))
+    parser.add_argument("--out", default=str(harness.DOCS / "fault_tolerance.md"))
+    parser.add_argument("--dump", default=str(harness.REPO / "outputs" / "benchmark_fault_tolerance"))
     parser.add_argument("--recompute", action="store_true",
                         help="no runs: recompute the failure numbers and the table from the last results and logs")
     args = parser.parse_args()
@@ -163,9 +156,7 @@ def main() -> None:
 
 def write(results: dict, dump: Path, out: Path) -> None:
     (dump / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-    text = out.read_text()
-    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-    out.write_text(text[:start] + "\n" + table(results) + "\n" + text[end:])
+    harness.write_block(out, BEGIN, END, table(results))
     print(table(results))
 
 

@@ -21,15 +21,15 @@ import socket
 import sys
 import time
 from datetime import timedelta
-from pathlib import Path
 
+import harness
 import torch
 import torch.multiprocessing as mp
 
 from titan_simple.trainer.fault_tolerance import replica_process_group
 from titan_simple.trainer.replica_state import recovery_timeout, state_bytes
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "fault_tolerance.md"
+DOC = harness.DOCS / "fault_tolerance.md"
 BEGIN, END = "<!-- benchmark_heal: begin -->", "<!-- benchmark_heal: end -->"
 TENSOR_BYTES = 256 * 2**20
 
@@ -108,11 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     table = "\n".join(rows)
     print(table)
     if args.doc:
-        text = DOC.read_text()
-        block = f"{BEGIN}\n{table}\n{END}"
-        text = (text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):]) if BEGIN in text else \
-            text.rstrip() + "\n\n" + block + "\n"
-        DOC.write_text(text)
+        harness.write_block(DOC, BEGIN, END, table)
     return 0
 
 

@@ -12,14 +12,13 @@ machine.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[2]
+import harness
+
 PROBE = """
 import json, resource, sys, time
 start, cpu0 = time.perf_counter(), time.process_time()
@@ -30,9 +29,8 @@ print(json.dumps({"wall": time.perf_counter() - start, "cpu": time.process_time(
 
 
 def measure(checkout: Path) -> dict:
-    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, check=True,
-                          env={"PYTHONPATH": str(checkout), "PATH": "/usr/bin:/bin"}, cwd=checkout)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    job = harness.launch("-c", PROBE, env={"PYTHONPATH": str(checkout), "PATH": "/usr/bin:/bin"}, cwd=checkout)
+    return job.check(f"the import probe in {checkout}").last_json()
 
 
 def main() -> None:
@@ -42,16 +40,16 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="import_time_") as tmp:
         before = Path(tmp) / "before"
-        subprocess.run(["git", "worktree", "add", "--detach", str(before), args.before], cwd=REPO, check=True,
-                       capture_output=True)
+        subprocess.run(["git", "worktree", "add", "--detach", str(before), args.before], cwd=harness.REPO,
+                       check=True, capture_output=True)
         try:
             runs: dict[str, list[dict]] = {"before": [], "after": []}
-            measure(REPO), measure(before)  # warm the page cache for both
+            measure(harness.REPO), measure(before)  # warm the page cache for both
             for _ in range(args.runs):
                 runs["before"].append(measure(before))
-                runs["after"].append(measure(REPO))
+                runs["after"].append(measure(harness.REPO))
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=REPO, check=True)
+            subprocess.run(["git", "worktree", "remove", "--force", str(before)], cwd=harness.REPO, check=True)
     print(f"| checkout | import wall s (median of {args.runs}) | import CPU s | Inductor's compiler loaded |")
     print("|---|---:|---:|---|")
     for name, label in (("before", args.before), ("after", "this checkout")):

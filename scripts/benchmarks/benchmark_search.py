@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
-PROJECT_DIR = Path(__file__).resolve().parents[2]
+import harness
+
 CASES = {
     "8b": ("Llama 3 8B on 8 H100s (SimpleFSDP's published 8B run: FSDP8, lbs 1, selective AC, compiled)",
            ["--config", "llama3_8b.toml", "--dry_run.world_size", "8"], 60),
@@ -37,34 +36,30 @@ BEGIN = "<!-- layout search tables: begin (scripts/benchmarks/benchmark_search.p
 END = "<!-- layout search tables: end -->"
 
 
-def train(folder: Path, args: list[str]) -> tuple[float, subprocess.CompletedProcess]:
-    start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "train.py", "--dry_run", "--job.dump_folder", str(folder), *args],
-                          cwd=PROJECT_DIR, capture_output=True, text=True)
-    return time.perf_counter() - start, proc
+def train(folder: Path, args: list[str]) -> harness.Job:
+    """``train.py --dry_run`` as a user runs it (this environment as it is: every core)."""
+    return harness.launch(harness.TRAIN, "--dry_run", "--job.dump_folder", folder, *args, env=os.environ)
 
 
 def run_case(name: str) -> str:
     title, args, _ = CASES[name]
     with tempfile.TemporaryDirectory() as tmp:
-        seconds, proc = train(Path(tmp) / "search", [*args, "--dry_run.search"])
-        if proc.returncode:
-            raise SystemExit(f"{name}: the search failed:\n{proc.stderr[-3000:]}")
+        search = train(Path(tmp) / "search", [*args, "--dry_run.search"]).check(f"{name}: the search")
         result = json.loads((Path(tmp) / "search" / "search.json").read_text())
         checks = []
         for index, row in enumerate([*result["table"][:3], result["published"]]):
-            _, alone = train(Path(tmp) / str(index), [*args, *row["overrides"]])
+            train(Path(tmp) / str(index), [*args, *row["overrides"]]).check(f"{name}: the dry run of row {index}")
             report = json.loads((Path(tmp) / str(index) / "dry_run.json").read_text())
             same = (report["memory_bytes"]["reserved"] / 2**30 == row["reserved_gib"]
                     and report["tokens_per_second_per_gpu"] == row["tokens_per_second_per_gpu"])
             checks.append("equal" if same else f"DIFFERENT ({report['tokens_per_second_per_gpu']:.1f})")
-    table = proc.stdout[proc.stdout.index("layout search:"):].split("\n  written:")[0]
+    table = search.stdout[search.stdout.index("layout search:"):].split("\n  written:")[0]
     table = re.sub(r"(the fastest, to paste: )(.*)", lambda m: m.group(1) + m.group(2)[:2000], table)
     phases = json.dumps({k: round(v, 1) for k, v in result["phase_seconds"].items()})
     return "\n".join([
         f"### {title}", "",
-        f"`python train.py {' '.join(args)} --dry_run --dry_run.search`: **{seconds:.0f} s** wall on this 2-core CPU "
-        f"(the budget is a count of layouts, so the time follows the machine's load; phases {phases}).",
+        f"`python train.py {' '.join(args)} --dry_run --dry_run.search`: **{search.seconds:.0f} s** wall on this "
+        f"2-core CPU (the budget is a count of layouts, so the time follows the machine's load; phases {phases}).",
         f"Top 3 rows and the config's layout as standalone dry runs: {', '.join(checks)}.", "",
         "```", table, "```", ""])
 
@@ -81,12 +76,8 @@ def main() -> None:
         sections.append(section)
     if options.no_docs or options.cases != list(CASES):
         return
-    docs = PROJECT_DIR / "docs" / "dry_run.md"
-    text = docs.read_text()
-    block = "\n".join([BEGIN, "", *sections, END])
-    text = text[:text.index(BEGIN)] + block + text[text.index(END) + len(END):] if BEGIN in text else (
-        text.rstrip() + "\n\n" + block + "\n")
-    docs.write_text(text)
+    docs = harness.DOCS / "dry_run.md"
+    harness.write_block(docs, BEGIN, END, "\n".join(["", *sections]))
     print(f"written: {docs}")
 
 

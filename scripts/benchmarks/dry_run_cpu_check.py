@@ -19,12 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
-from pathlib import Path
 
-PROJECT_DIR = Path(__file__).resolve().parents[2]
+import harness
 
 
 def predict(argv: list[str], world_size: int, rates: dict[str, float]) -> dict:
@@ -45,8 +42,8 @@ def predict(argv: list[str], world_size: int, rates: dict[str, float]) -> dict:
         )
         args = [*argv, "--dry_run", "--dry_run.device", "cpu", "--dry_run.world_size", str(world_size),
                 "--job.dump_folder", folder]
-        subprocess.run([sys.executable, "-c", code, json.dumps(rates), *args], check=True, cwd=PROJECT_DIR,
-                       stdout=subprocess.DEVNULL)
+        job = harness.launch("-c", code, json.dumps(rates), *args, env=os.environ)
+        job.check(f"the dry run for {world_size} processes")
         with open(os.path.join(folder, "dry_run.json")) as f:
             return json.load(f)
 
@@ -85,8 +82,7 @@ def main() -> None:
               f"{100 * (mem_p / mem_m - 1):+.0f}% | {t_p * 1e3:.0f} | {t_m * 1e3:.0f} | "
               f"{100 * (t_p / t_m - 1):+.0f}% |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        harness.save_json(args.json, rows)
 
 
 if __name__ == "__main__":

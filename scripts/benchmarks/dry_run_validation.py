@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
+import os
 import tempfile
 from pathlib import Path
 
-PROJECT_DIR = Path(__file__).resolve().parents[2]
+import harness
 
 FLOAT8 = ("--model.converters", "float8")
 # TorchTitan's published runs (Dec 2024, and the async-TP runs of 2025-06) computed cross_entropy on the whole
@@ -108,8 +107,8 @@ FLOAT8_FIT_CASE = NAMES.index("TorchTitan 8B, 8 H100, FSDP8, lbs 2, selective AC
 
 def run_case(args: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as folder:
-        subprocess.run([sys.executable, "train.py", "--dry_run", "--job.dump_folder", folder, *args],
-                       cwd=PROJECT_DIR, check=True, stdout=subprocess.DEVNULL)
+        harness.launch(harness.TRAIN, "--dry_run", "--job.dump_folder", folder, *args, env=os.environ).check(
+            f"train.py --dry_run {' '.join(args)}")
         return json.loads((Path(folder) / "dry_run.json").read_text())
 
 
@@ -153,8 +152,7 @@ def main() -> None:
           f"{CASES[FIT_CASE][3][0] * 2**30 / fit['memory_bytes']['peak'] - 1:.3f} (allocator_overhead "
           f"{fit['device_spec']['allocator_overhead']})")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        harness.save_json(args.json, results)
 
 
 if __name__ == "__main__":

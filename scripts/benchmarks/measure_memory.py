@@ -37,28 +37,25 @@ import contextlib
 import gc
 import os
 import pickle
-import re
 import tempfile
 import time
 import weakref
-from pathlib import Path
 
-PROJECT_DIR = Path(__file__).resolve().parents[2]
+import harness
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-from torch.distributed.tensor import DTensor  # noqa: E402
-from torch.utils._pytree import tree_leaves  # noqa: E402
+from titan_simple.config import load_job_config
+from titan_simple.core.assemble import build_run
+from titan_simple.core.plan import resolve_plan
+from titan_simple.core.step import StepHooks
+from titan_simple.dry_run.probes import LiveStorageBytes
+from titan_simple.models.llama3 import build_model
 
-from titan_simple.config import load_job_config  # noqa: E402
-from titan_simple.core.assemble import build_run  # noqa: E402
-from titan_simple.core.plan import resolve_plan  # noqa: E402
-from titan_simple.core.step import StepHooks  # noqa: E402
-from titan_simple.dry_run.probes import LiveStorageBytes  # noqa: E402
-from titan_simple.models.llama3 import build_model  # noqa: E402
-
-DOC = PROJECT_DIR / "docs" / "simple_fsdp_memory.md"
+DOC = harness.DOCS / "simple_fsdp_memory.md"
 BEGIN, END = "<!-- measure_memory.py: begin -->", "<!-- measure_memory.py: end -->"
 MB = 1e6
 DEVICE = torch.device("cpu")
@@ -386,20 +383,6 @@ def tables(results: list[dict], facts: dict, args, elapsed_s: float) -> str:
     return "\n".join([*lines, "", *extra, *theory])
 
 
-def write_doc(text: str) -> None:
-    block = f"{BEGIN}\n{text}\n{END}"
-    if DOC.exists():
-        doc = DOC.read_text()
-        if BEGIN in doc and END in doc:
-            doc = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, doc, flags=re.S)
-        else:
-            doc = doc.rstrip() + "\n\n" + block + "\n"
-    else:
-        doc = "# SimpleFSDP memory\n\n" + block + "\n"
-    DOC.write_text(doc)
-    print(f"wrote {DOC}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--flavor", default="debugmodel_large")
@@ -413,7 +396,8 @@ def main() -> None:
     text = tables(results, _model_facts(args), args, time.perf_counter() - start)
     print(text)
     if args.doc:
-        write_doc(text)
+        harness.write_block(DOC, BEGIN, END, text)
+        print(f"wrote {DOC}")
 
 
 if __name__ == "__main__":

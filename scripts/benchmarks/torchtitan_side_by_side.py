@@ -1,4 +1,5 @@
-"""Helpers of scripts/benchmarks/torchtitan_side_by_side.sh (no dependency beyond the standard library).
+"""Helpers of scripts/benchmarks/torchtitan_side_by_side.sh (no dependency beyond the standard library and the
+benchmarks' harness.py, which needs no more).
 
     python scripts/benchmarks/torchtitan_side_by_side.py pick-version  # the TorchTitan release for this torch
     python scripts/benchmarks/torchtitan_side_by_side.py install WHEELS SITE VERSION   # unpack what this python lacks
@@ -22,6 +23,8 @@ import statistics
 import sys
 import zipfile
 from pathlib import Path
+
+import harness
 
 # torch minor -> the TorchTitan release cut against it. Each release pins the torch nightly of its day (their
 # docs/release.md): 0.2.0 (2025-10-17) -> 2.10.0.dev, 0.2.1 (2025-12-26) and 0.2.2 (2026-02-20) -> 2.11.0.dev,
@@ -134,19 +137,12 @@ ERROR = re.compile(r"(\w*Error\b.*|Traceback|out of memory|Killed|core dumped)")
 
 def _titan_simple_steps(run_dir: Path) -> dict[int, tuple[float, float, float]]:
     steps = {}
-    metrics = run_dir / "metrics.jsonl"
-    if metrics.exists():
-        for line in metrics.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if "throughput(tps)" not in row:
-                continue
-            mem = next((v for k, v in row.items() if k.startswith(("memory/max_reserved", "memory/peak_rss"))
-                        and "GiB" in k), float("nan"))
-            loss = row.get("loss_metrics/global_avg_loss", float("nan"))
-            steps[int(row["step"])] = (row["throughput(tps)"], mem, loss)
+    rows = harness.read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    for row in (r for r in rows if "throughput(tps)" in r):
+        mem = next((v for k, v in row.items() if k.startswith(("memory/max_reserved", "memory/peak_rss"))
+                    and "GiB" in k), float("nan"))
+        loss = row.get("loss_metrics/global_avg_loss", float("nan"))
+        steps[int(row["step"])] = (row["throughput(tps)"], mem, loss)
     return steps
 
 
