@@ -29,10 +29,12 @@ from titan_simple import generate as generation
 from titan_simple.config import load_job_config
 from titan_simple.core.step import StepHooks
 from titan_simple.errors import CheckpointError, ConfigError
+from titan_simple.models.from_config import model_args_for
 from titan_simple.models.hf_files import INDEX, WEIGHTS
 from titan_simple.models.hf_llama import (
     from_hf_name,
     half_split_to_interleaved,
+    hf_context,
     interleaved_to_half_split,
     is_hf_folder,
     model_args_from_hf,
@@ -501,6 +503,10 @@ def test_exports_write_metas_context_or_the_imported_one_and_honour_or_refuse_ma
     for extra, written in (((), 32768), (("--max_seq_len", "20000"), 20000)):
         assert run_export_script("--checkpoint", str(step), "--output", str(tmp_path / "out"), *extra) == 0
         assert json.loads((tmp_path / "out" / "config.json").read_text())["max_position_embeddings"] == written
+    # trained longer than the folder declares: the trained length; the folder's value once the RoPE is another
+    assert hf_context(dataclasses.replace(imported, max_seq_len=65536)) == 65536
+    config = load_job_config(["--model.hf_config", str(tmp_path / "x8"), "--model.rope_scaling", "none"])
+    assert model_args_for(config).max_position_embeddings is None
     assert run_export_script("--checkpoint", str(step), "--output", str(tmp_path / "out"), "--max_seq_len", "1000") == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--max_seq_len 1000: the model's RoPE is scaled from an original context of " \

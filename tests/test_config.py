@@ -170,6 +170,21 @@ def test_titan_run_exits_with_a_ranks_own_error_status_without_a_traceback(tmp_p
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr and "exitcode" not in done.stderr
 
 
+def test_the_parts_of_torchrun_titan_run_uses_exist():
+    """titan-run (trainer/launch.py) calls torchrun's module and filters its agent's line on a failed rank."""
+    import inspect
+
+    import torch.distributed.elastic.multiprocessing.api as agent
+    import torch.distributed.run as torchrun
+
+    from titan_simple.trainer import launch
+
+    assert all(callable(getattr(torchrun, name, None)) for name in ("parse_args", "run", "parse_min_max_nnodes",
+                                                                    "determine_local_world_size"))
+    assert agent.__name__ == launch.AGENT_LOGGER and hasattr(agent, "SignalException")
+    assert launch.FAILED_RANK_LINE.split("{")[0] in inspect.getsource(agent)
+
+
 def test_train_py_reports_one_line_and_exit_code_2():
     result = subprocess.run(
         [sys.executable, str(REPO / "train.py"), "--config", "llama3_debug.toml", "--training.stepz", "1"],

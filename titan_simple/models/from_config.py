@@ -34,8 +34,8 @@ def model_args_for(config: JobConfig, max_seq_len: int | None = None) -> ModelAr
         if model.flavor not in LLAMA3_FLAVORS:
             build_model(model.flavor)  # raises the unknown-flavor ConfigError
         args = dataclasses.replace(LLAMA3_FLAVORS[model.flavor], max_seq_len=seq_len)
-    if model.rope_scaling == "none":
-        args = dataclasses.replace(args, rope_scaling=None)
+    if model.rope_scaling == "none":  # another context than the folder declares: the export works it out again
+        args = dataclasses.replace(args, rope_scaling=None, max_position_embeddings=None)
     return dataclasses.replace(args, n_layers=model.n_layers) if model.n_layers else args
 
 

@@ -132,11 +132,11 @@ META_SCALED_CONTEXT_RATIO = 16
 
 
 def hf_context(args: ModelArgs) -> int:
-    """``max_position_embeddings`` to export: the one the model was imported with (``args.max_position_embeddings``,
-    a Hugging Face folder's, carried through complete.json), else the trained length and, with scaled RoPE, at
-    least Meta's value (16 x the original context: 131072 for Llama 3.1 and 3.2 alike)."""
+    """``max_position_embeddings`` to export: at least the trained length, and the one the model was imported with
+    (``args.max_position_embeddings``, a Hugging Face folder's, carried through complete.json) when larger; without
+    one, with scaled RoPE, at least Meta's value (16 x the original context: 131072 for Llama 3.1 and 3.2 alike)."""
     if args.max_position_embeddings:
-        return args.max_position_embeddings
+        return max(args.max_position_embeddings, args.max_seq_len)
     if args.rope_scaling is None:
         return args.max_seq_len
     return max(args.max_seq_len, META_SCALED_CONTEXT_RATIO * args.rope_scaling.original_context)

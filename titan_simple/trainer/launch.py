@@ -8,9 +8,10 @@ the checks each rank runs first (``trainer.plan_and_check``) for the job's world
 nnodes is one number): a bad key, type, path or degree is the trainer's one ``error:`` line and exit status 2, and
 no rank starts. Then it runs torchrun. A rank that stops with one of the trainer's own errors has printed its line
 (exit status 2: input a rank found unusable, a checkpoint it cannot read or write; 3: the loss became non-finite):
-``titan-run`` exits with that status, without torchrun's ``ChildFailedError`` report. Any other failure (a crash,
-a signal) keeps torchrun's report. Plain ``torchrun train.py`` works as before; only its exit status and report
-differ on those errors (torchrun always exits 1 with a traceback when a rank fails).
+``titan-run`` exits with that status, without torchrun's ``ChildFailedError`` report. A SIGINT / SIGTERM to the
+launcher stops the ranks as torchrun does, then one line and status 128 + the signal's number. Any other failure (a
+crash) keeps torchrun's report. Plain ``torchrun train.py`` runs the same job; on those errors it prints its
+traceback and exits 1.
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ from pathlib import Path
 from titan_simple.errors import UserError
 
 TRAINER_EXIT_CODES = (2, 3)  # train.py's exit statuses for the errors it prints as one line
+# What of torchrun (torch.distributed.run, torch 2.13) this module uses beyond its command line: its argument parser,
+# run(), the helpers that read --nnodes / --nproc_per_node, and its agent's log line for a failed rank; the test
+# tests/test_config.py::test_the_parts_of_torchrun_titan_run_uses_exist fails if torch changes them.
+AGENT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+FAILED_RANK_LINE = "failed (exitcode: {code})"
 
 
 def _world_size(nnodes: str, nproc_per_node: str) -> int | None:
@@ -56,10 +62,11 @@ class _DropTrainerExitReports(logging.Filter):
     has already said why, in one line."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not any(f"failed (exitcode: {code})" in record.getMessage() for code in TRAINER_EXIT_CODES)
+        return not any(FAILED_RANK_LINE.format(code=code) in record.getMessage() for code in TRAINER_EXIT_CODES)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
@@ -71,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_DropTrainerExitReports())
+    logging.getLogger(AGENT_LOGGER).addFilter(_DropTrainerExitReports())
     try:
         run(args)
     except ChildFailedError as failed:
@@ -79,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
         if first.exitcode in TRAINER_EXIT_CODES:  # the rank printed its one line
             return first.exitcode
         raise
+    except SignalException as stopped:  # SIGINT / SIGTERM to the launcher: torchrun has stopped the ranks
+        print(f"titan-run: stopped by {stopped.sigval.name}; the ranks were stopped too (their lines are above)",
+              file=sys.stderr)
+        return 128 + int(stopped.sigval)
     return 0
 
 
