@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -19,7 +18,7 @@ from titan_simple.config import JobConfig
 from titan_simple.errors import ConfigError
 from titan_simple.models.from_config import model_args_for, model_choice, model_name
 from titan_simple.models.llama3 import KVCache, Transformer
-from titan_simple.trainer.checkpoint import check_checkpoint, read_model_weights
+from titan_simple.trainer.checkpoint import check_checkpoint, read_model_weights, single_process_is_fine
 
 # ------------------------------------------------------------------------------------------ loading
 
@@ -54,8 +53,7 @@ def load_model_for_generation(
     args = model_args_for(config, max_seq_len)
     path = None
     if checkpoint is not None:
-        with warnings.catch_warnings():  # DCP warns that it reads on one process: that is the intent here
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        with single_process_is_fine():  # DCP warns that it reads on one process: that is the intent here
             path = check_checkpoint(checkpoint, args, choice=model_choice(config), model_name=model_name(config))
     with torch.device("meta"):
         model = Transformer(args)
@@ -65,9 +63,7 @@ def load_model_for_generation(
     for param in model.parameters():  # not model.to(dtype): that would drop the RoPE table's imaginary part
         param.data = param.data.to(dtype)
     if path is not None:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            read_model_weights(path, model)
+        read_model_weights(path, model)
     return model.eval()
 
 

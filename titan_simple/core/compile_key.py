@@ -28,9 +28,8 @@ def compile_cache_folder(config: JobConfig) -> str:
 
 
 def compile_fingerprint(config: JobConfig, model_args: ModelArgs, parallel: ParallelPlan, loss: LossPlan,
-                        pipeline: PipelinePlan | None, accumulation: int, float8: Float8Plan | None = None,
-                        attention: AttentionPlan | None = None,
-                        device_type: str = "cpu") -> tuple[str, tuple[tuple[str, str], ...]]:
+                        pipeline: PipelinePlan | None, accumulation: int, float8: Float8Plan | None,
+                        attention: AttentionPlan | None, device_type: str) -> tuple[str, tuple[tuple[str, str], ...]]:
     """What this rank's compiled graphs are made of, hashed, and each named part's own short hash: the model,
     the layout and what the recipe applies (dtypes, checkpointing, compile settings), the loss, the shapes of a
     microbatch, the torch version and this package's source. It names the comm plan's copy in the compile cache
