@@ -9,6 +9,10 @@ Written so the parallelisms can be applied from outside without touching this fi
   unchanged when tensor parallel gives ``wq`` / ``wk`` / ``wv`` only a slice of the heads.
 * The model can be built on the meta device and initialized after sharding: ``init_weights`` uses only the
   in-place ``torch.nn.init`` functions, which also work on DTensor parameters.
+* Nothing here names a parallelism; they swap a module's class for a subclass that overrides one method:
+  ``Attention.attend`` (context parallel gathers the keys and values first), ``Transformer.forward_modules``
+  (regional compilation runs compiled regions). Everything the attention takes besides the tokens is one argument,
+  ``models/attention.AttentionInputs``.
 
 Usage::
 
