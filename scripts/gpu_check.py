@@ -62,7 +62,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
-from titan_simple.compile.compiler import comm_plan_recorders, transformer_block_plan  # noqa: E402
+from titan_simple.compile.compiler import transformer_block_plan  # noqa: E402
 from titan_simple.config import JobConfig, load_job_config  # noqa: E402
 from titan_simple.core.assemble import Run, build_run  # noqa: E402
 from titan_simple.core.device_peaks import peak_flops_per_second  # noqa: E402
@@ -452,7 +452,7 @@ def bucket_summary(layout: Layout) -> str:
     the embedding, the norm + output); more all-gathers than buckets means bucketing did not merge them."""
     if not layout.plan.dims.dp_enabled:
         return "one process: no FSDP collectives to bucket"
-    recorders = comm_plan_recorders(layout.step.compiled_modules())
+    recorders = layout.parts.comm_plan_recorders
     for recorder in recorders:
         recorder.restore()  # graphs loaded from torch's compile cache keep their plan there
     gathers = sum(r.counts("forward").get("all_gather", 0) for r in recorders)

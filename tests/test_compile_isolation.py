@@ -122,7 +122,6 @@ class CompileWatch:
 
 def _compile_every_setting(rank: int, world_size: int) -> dict[str, dict]:
     import titan_simple.compile.compiler as compile_module
-    from titan_simple.compile.compiler import comm_plan_recorders
     from titan_simple.compile.inductor_private import analytical_runtime_ms
 
     # The GPU's runtime model (no calibration, no NCCL), which the overlap scheduler gets on CUDA.
@@ -138,7 +137,7 @@ def _compile_every_setting(rank: int, world_size: int) -> dict[str, dict]:
         before = watch.compiles
         with watch.stage(own, foreign):
             out = train_steps(layout, RECIPE)
-        (recorder,) = comm_plan_recorders(layout.parts.modules)
+        (recorder,) = layout.parts.comm_plan_recorders
         results[name] = {"losses": out["losses"], "compiles": watch.compiles - before, "calls": list(watch.calls),
                          "moved": list(watch.moved), "forward": recorder.counts("forward"),
                          "backward": recorder.counts("backward")}

@@ -69,14 +69,13 @@ def _layouts(rank: int, world_size: int, layouts: dict[str, tuple[str, tuple[str
                                             "--parallelism.data_parallel_shard_degree=-1", *overrides), world_size)
         results[key] = train_steps(layout, recipe, keep_grads="eager" in key)
         if layout.plan.compile.enabled:  # what compile once did on this rank; the comm plan's collectives
-            from titan_simple.compile.compiler import comm_plan_recorders
             from titan_simple.compile.once import active_session
 
             session = active_session()
             results[key]["compile_once"] = (session.leads, [r.compiled for r in session.records])
             results[key]["comm_plan"] = collections.Counter(
-                (graph, c["kind"], c.get("parallelism", "dp")) for recorder in comm_plan_recorders(
-                    layout.step.compiled_modules()) for graph, colls in recorder.graphs.items() for c in colls)
+                (graph, c["kind"], c.get("parallelism", "dp")) for recorder in layout.parts.comm_plan_recorders
+                for graph, colls in recorder.graphs.items() for c in colls)
     return results
 
 

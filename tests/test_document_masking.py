@@ -30,7 +30,7 @@ from tests.parity import (
 from titan_simple.config import load_job_config
 from titan_simple.core.plan import resolve_plan
 from titan_simple.errors import ConfigError
-from titan_simple.models.attention import block_causal_mask, document_ids, mask_mod
+from titan_simple.models.attention import AttentionInputs, block_causal_mask, document_ids, mask_mod
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, Transformer
 
 EOS = 1  # the built-in tokenizer's (assets/tokenizer/shakespeare_bpe_2k.json)
@@ -77,8 +77,8 @@ def test_flex_attention_forward_equals_sdpa_on_cpu():
     tokens = torch.randint(2, 2000, (2, 128), generator=g)
     tokens[torch.rand(tokens.shape, generator=g) < 1 / 16] = EOS
     ids = document_ids(tokens, EOS)
-    for kwargs in ({}, {"document_ids": ids}):
-        torch.testing.assert_close(flex(tokens, **kwargs), model(tokens, **kwargs), rtol=1e-5, atol=1e-5)
+    for inputs in (None, AttentionInputs(document_ids=ids)):
+        torch.testing.assert_close(flex(tokens, inputs), model(tokens, inputs), rtol=1e-5, atol=1e-5)
 
 
 def _tiny_model() -> Transformer:
@@ -102,14 +102,15 @@ def test_a_packed_row_of_documents_equals_each_document_alone():
         return F.cross_entropy(logits.flatten(0, 1), target.flatten(), reduction="none")
 
     model.zero_grad()
-    packed = losses_and_grads(model(row, document_ids=document_ids(row, EOS)), labels)
+    packed = losses_and_grads(model(row, AttentionInputs(document_ids=document_ids(row, EOS))), labels)
     packed.sum().backward()
     packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad()
     alone, start = [], 0
     for document, n in zip(documents, lengths, strict=True):
         positions = torch.arange(start, start + n)
-        loss = losses_and_grads(model(document[None], positions=positions[None]), labels[:, start : start + n])
+        logits = model(document[None], AttentionInputs(positions=positions[None]))
+        loss = losses_and_grads(logits, labels[:, start : start + n])
         loss.sum().backward()  # gradients accumulate over the documents
         alone.append(loss.detach())
         start += n

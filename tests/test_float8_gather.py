@@ -18,7 +18,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.distributed_utils import run_on_ranks
 from tests.parity import Recipe, build_layout, max_rel_diff, train_steps
-from titan_simple.compile.compiler import comm_plan_recorders
 from titan_simple.core.plan import resolve_plan
 from titan_simple.parallel import activation_checkpoint
 from titan_simple.parallel.float8_gather import refresh_float8_weights
@@ -108,7 +107,7 @@ def _run(rank: int, world_size: int) -> dict:
         out[f"compiled/{gather}"] = train_steps(layout, RECIPE)
         group = layout.mesh["dp_shard"].get_group().group_name
         out[f"compiled/{gather}"]["comm"] = [
-            (graph, c["kind"], c["dtype"], c["bytes"]) for recorder in comm_plan_recorders(layout.parts.modules)
+            (graph, c["kind"], c["dtype"], c["bytes"]) for recorder in layout.parts.comm_plan_recorders
             for graph, collectives in recorder.graphs.items() for c in collectives if c["group"] == group]
     layout = build_layout(RECIPE.config(*FSDP2, "--model.converters="), world_size)
     out["sac/no_float8"] = _sac_cache_bytes(layout)

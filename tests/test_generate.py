@@ -19,8 +19,9 @@ from titan_simple.config import load_job_config
 from titan_simple.data.tokenizer import Tokenizer
 from titan_simple.errors import ConfigError
 from titan_simple.generate import generate, load_model_for_generation, sample_next_token
+from titan_simple.models.attention import AttentionInputs, KVCache
 from titan_simple.models.hf_llama import hf_config
-from titan_simple.models.llama3 import LLAMA3_FLAVORS, KVCache, build_model
+from titan_simple.models.llama3 import LLAMA3_FLAVORS, build_model
 from titan_simple.models.rope import LLAMA31_ROPE
 from titan_simple.trainer.checkpoint import export_hf, load_model_weights
 from titan_simple.trainer.trainer import Trainer
@@ -109,11 +110,12 @@ def test_cache_in_chunks_equals_one_forward():
     with torch.no_grad():
         full = model(tokens)
         cache = KVCache(model.args, batch_size=2, max_len=9, device="cpu", dtype=torch.float32)
-        pieces = [model(tokens[:, :5], cache), model(tokens[:, 5:8], cache), model(tokens[:, 8:], cache)]
+        inputs = AttentionInputs(cache=cache)
+        pieces = [model(tokens[:, :5], inputs), model(tokens[:, 5:8], inputs), model(tokens[:, 8:], inputs)]
     assert cache.position == 9
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="KV cache"):
-        model(tokens[:, :1], cache)
+        model(tokens[:, :1], inputs)
 
 
 def test_top_k_one_is_greedy_and_temperature_zero_is_argmax():

@@ -38,8 +38,7 @@ from tests.inductor_code import overlap_in_generated_code
 from tests.parity import COMPILED_RTOL, SHARDED_NORM_RTOL, build_layout, max_rel_diff, train_steps
 from tests.test_pipeline import RECIPE as PIPELINE_RECIPE
 from tests.test_pipeline import assert_parity, job_config
-from titan_simple.compile.compiler import comm_plan_recorders
-from titan_simple.compile.regions import EMBEDDING, HANDOFF, bucket_modules, region_bucket_plan
+from titan_simple.compile.regions import EMBEDDING, HANDOFF, bucket_modules, region_bucket_plan, regions_of
 from titan_simple.config import load_job_config
 from titan_simple.errors import ConfigError
 
@@ -73,7 +72,7 @@ def _train(rank: int, world_size: int) -> dict:
         generated = overlap_in_generated_code(functools.partial(_train_into, trained, layout))
         out = {**trained, "generated_overlap": generated}
         out["mode"] = layout.plan.compile.mode
-        forward = layout.parts.modules[-1].block_regions  # regions.RegionalForward
+        forward = regions_of(layout.parts.modules[-1])  # regions.RegionalForward
         out["handoff"] = [bool(r) for r in forward.receivers]
         out["received_bytes"] = [sum(4 * p.numel() for m in received for p in m.parameters())
                                  for received in forward.receivers]
@@ -83,7 +82,7 @@ def _train(rank: int, world_size: int) -> dict:
         out["bucket_bytes"] = [_bucket_bytes(region, received)
                                for region, received in zip(forward.regions, forward.receivers, strict=True)]
         out["recorders"] = [{"settings": r.settings, "graphs": r.graphs}
-                            for r in comm_plan_recorders(layout.parts.modules)]
+                            for r in layout.parts.comm_plan_recorders]
         results[name] = out
     return results
 

@@ -30,7 +30,6 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from tests.distributed_utils import run_on_ranks
 from tests.parity import SHARDED_NORM_RTOL, Recipe, build_layout, full_tensor, max_rel_diff, train_steps
 from tests.parity import assert_parity as check_parity
-from titan_simple.compile.compiler import comm_plan_recorders
 from titan_simple.core.plan import uses_loss_parallel
 from titan_simple.errors import ConfigError
 from titan_simple.models.llama3 import LLAMA3_FLAVORS
@@ -115,7 +114,7 @@ def dp_collective_counts(layout) -> dict[str, int]:
     (``"forward/all_gather"``), from the comm plan compile recorded."""
     group = layout.mesh["dp_shard"].get_group().group_name
     counts: collections.Counter = collections.Counter()
-    for recorder in comm_plan_recorders(layout.parts.modules):
+    for recorder in layout.parts.comm_plan_recorders:
         for graph, collectives in recorder.graphs.items():
             counts.update(f"{graph}/{c['kind']}" for c in collectives if c["group"] == group)
     return dict(counts)

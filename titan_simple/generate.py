@@ -16,8 +16,9 @@ import torch
 
 from titan_simple.config import JobConfig
 from titan_simple.errors import ConfigError
+from titan_simple.models.attention import AttentionInputs, KVCache
 from titan_simple.models.from_config import model_args_for, model_choice, model_name
-from titan_simple.models.llama3 import KVCache, Transformer
+from titan_simple.models.llama3 import Transformer
 from titan_simple.trainer.checkpoint import check_checkpoint, read_model_weights, single_process_is_fine
 
 # ------------------------------------------------------------------------------------------ loading
@@ -147,7 +148,7 @@ def generate(
         generator = torch.Generator(device=device)
         generator.manual_seed(seed)
     dtype = next(model.parameters()).dtype
-    cache = KVCache(model.args, 1, max_len, device, dtype) if use_kv_cache else None
+    inputs = AttentionInputs(cache=KVCache(model.args, 1, max_len, device, dtype)) if use_kv_cache else None
 
     sequence = torch.tensor([prompt], device=device)
     new_tokens: list[int] = []
@@ -156,7 +157,7 @@ def generate(
     prefill_seconds = 0.0
     feed = sequence  # what this step runs through the model
     while True:
-        logits = model(feed, cache)[0, -1].float()
+        logits = model(feed, inputs)[0, -1].float()
         token = sample_next_token(logits, temperature, top_k, generator)
         new_tokens.append(token)
         all_logits.append(logits)

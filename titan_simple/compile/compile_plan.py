@@ -9,8 +9,8 @@ imported when the first compile runs.
 
 from __future__ import annotations
 
-import functools
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -101,15 +101,21 @@ class CompilePlan:
     def compile_regional(self, model: nn.Module) -> CommPlanRecorder | None:
         """Regional compilation: group ``model``'s transformer blocks into regions of ``region_blocks``
         consecutive blocks (``regions.BlockRegion``, the last one followed by the final norm and output
-        projection), after the embedding's own region; ``Transformer.forward`` runs them through
-        ``regions.RegionalForward``. Every region compiles with one shared pass, so Dynamo reuses a region's
+        projection), after the embedding's own region; the model's class is swapped for one that runs them
+        (``regions.run_in_regions``). Every region compiles with one shared pass, so Dynamo reuses a region's
         graphs for every other region of its shape (their guards pass: same classes, shapes and settings) and
         compile time hardly grows with depth: three codes, the embedding's, the blocks' and the last region's.
         The pass buckets each region's collectives (``region_bucket_plan``) and, with reorder, issues each
         bucket's all-gather while the bucket before it computes (in backward, each reduce-scatter runs while the
         bucket after it computes). With ``region_handoff`` each region also gathers the next region's first
         weights, so that their collectives overlap too (``regions.py``)."""
-        from titan_simple.compile.regions import EMBEDDING, HEAD_BUCKET, RegionalForward, region_bucket_plan
+        from titan_simple.compile.regions import (
+            EMBEDDING,
+            HEAD_BUCKET,
+            RegionalForward,
+            region_bucket_plan,
+            run_in_regions,
+        )
 
         size = self.region_blocks
         forward = RegionalForward(model, size, handoff=self.region_handoff)
@@ -122,13 +128,12 @@ class CompilePlan:
                 if module is not None and not (module._forward_pre_hooks or module._forward_hooks):
                     self._compile_forward(module)
             return None
-        model.block_regions = forward
+        run_in_regions(model, forward)
         regions = forward.compiled
         first = _REGIONAL_COMPILES.get(self)
         if first is not None:  # another pipeline stage of this rank: the same options, so the same code
             for region in regions:
                 region.compile(fullgraph=True, **first.compile_kwargs)
-            model.comm_plan_recorder = first
             return first
         plan = region_bucket_plan(size) if self.bucketing == "transformer_block" else None
         recorder = _compiler().compile_model(
@@ -140,12 +145,14 @@ class CompilePlan:
         return recorder
 
     def _compile_forward(self, module: nn.Module) -> None:
-        """Compile ``module.forward`` in place, through a function of ours: Dynamo skips the frames of torch's
+        """Compile ``module``'s forward in place, through a function of ours: Dynamo skips the frames of torch's
         own modules (``nn.Embedding``, ``nn.Linear``, ...) when their ``_call_impl`` is compiled directly
-        ("found no compiled frames"), but inlines them from ours. Forward hooks would stay outside."""
+        ("found no compiled frames"), but inlines them from ours. The module's class is swapped for a subclass
+        whose forward is the compiled one (nothing is set on the module). Forward hooks would stay outside."""
         _inductor_private().prepare_compile()
-        compiled = torch.compile(_forward_of, fullgraph=True, **self.backend_kwargs(self.inductor_options()))
-        module.forward = functools.partial(compiled, module)
+        cls = type(module)
+        compiled = torch.compile(_forward_of(cls), fullgraph=True, **self.backend_kwargs(self.inductor_options()))
+        module.__class__ = type(cls.__name__, (cls,), {"forward": _calling(compiled)})
 
     def compile_block(self, block: nn.Module) -> None:
         """Compile one transformer block in place (``per_block`` mode): no collective passes, only the
@@ -171,6 +178,19 @@ class CompilePlan:
 _REGIONAL_COMPILES: dict[CompilePlan, CommPlanRecorder] = {}  # the first regional compile of each plan
 
 
-def _forward_of(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``module``'s own forward (its class's), the frame ``CompilePlan._compile_forward`` compiles."""
-    return type(module).forward(module, *args, **kwargs)
+def _forward_of(cls: type[nn.Module]) -> Callable[..., Any]:
+    """``cls``'s forward as a function of ours, the frame ``CompilePlan._compile_forward`` compiles."""
+
+    def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return cls.forward(module, *args, **kwargs)
+
+    return forward
+
+
+def _calling(compiled: Callable[..., Any]) -> Callable[..., Any]:
+    """A forward method that calls ``compiled(module, ...)``."""
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return compiled(self, *args, **kwargs)
+
+    return forward

@@ -252,7 +252,7 @@ def compile_model(
     session: CompileOnce | None = None,
 ) -> CommPlanRecorder | None:
     """Compile ``model`` in place with the given collective bucketing / reordering; return the comm-plan
-    recorder (also left on ``model`` as ``comm_plan_recorder``; ``None`` for backends that run no Inductor pass).
+    recorder (``None`` for backends that run no Inductor pass): the build keeps it (``ModelParts``).
 
     ``bucketing``: ``none`` | ``transformer_block`` | ``auto``; ``manual_plan`` overrides the blocks' plan (one
     entry per bucket: an FQN or a list of them), ``plan_root`` prefixes it when ``model`` wraps the model.
@@ -294,7 +294,6 @@ def compile_model(
     for module in modules:
         module.compile(fullgraph=fullgraph, **kwargs)
     recorder.compile_kwargs = kwargs
-    model.comm_plan_recorder = recorder
     return recorder
 
 
@@ -312,10 +311,3 @@ def _keep_comm_plan(recorder: CommPlanRecorder, fingerprint: str, pass_uuid: str
     if session is not None and session.leader != rank:
         recorder.leader_store = comm_plan_store(fingerprint, pass_uuid, session.leader)
 
-
-def comm_plan_recorders(modules: Sequence[nn.Module | None]) -> list[CommPlanRecorder]:
-    """The comm-plan recorders of the compiled modules in (and under) ``modules``, each once (pipeline stages
-    compiled regionally share one)."""
-    found = [m.comm_plan_recorder for module in modules if module is not None for m in module.modules()
-             if isinstance(getattr(m, "comm_plan_recorder", None), CommPlanRecorder)]
-    return list({id(recorder): recorder for recorder in found}.values())

@@ -3,9 +3,9 @@ hand-off that lets a region gather the next region's first weights.
 
 A region is ``regional_blocks`` consecutive transformer blocks (``BlockRegion``); the last one also runs the final
 norm and output projection. The token embedding runs before them as a small region of its own
-(``EmbeddingRegion``). ``RegionalForward`` runs them in order for ``Transformer.forward``. Every region of one
-shape shares one compiled code (``compile.CompilePlan.compile_regional``): the embedding's, the blocks', the
-last region's.
+(``EmbeddingRegion``). ``RegionalForward`` runs them in order in place of ``Transformer.forward_modules``
+(``run_in_regions`` swaps the model's class for one that does). Every region of one shape shares one compiled
+code (``compile.CompilePlan.compile_regional``): the embedding's, the blocks', the last region's.
 
 **Why a hand-off.** Nothing in a compiled graph overlaps what runs before or after it. A region left to itself
 waits for its first all-gather before any compute, and for its first weights' reduce-scatter after all of its
@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
-from titan_simple.models.attention import Mask
+from titan_simple.models.attention import KVCache, Mask
 from titan_simple.parallel.simple_fsdp import gather_unsharded
 
 # A region's buckets, by module name inside its first and last blocks (``region_bucket_plan``). The first
@@ -84,7 +84,7 @@ class EmbeddingRegion(nn.Module):
 class BlockRegion(nn.Module):
     """Consecutive transformer blocks that run as one compiled region, the last region followed by the final
     norm and output projection, every other one returning the next region's first weights (``handoff``). The
-    model keeps its regions outside its module tree (``Transformer.block_regions`` is a plain object), so
+    regions stay outside the model's module tree (``run_in_regions`` keeps them on the model's class), so
     parameter names, state_dict and checkpoints stay as they are."""
 
     def __init__(self, blocks: Sequence[nn.Module]) -> None:
@@ -122,7 +122,7 @@ def handoff_receivers(region: BlockRegion) -> list[nn.Module]:
 
 
 class RegionalForward:
-    """The model's forward through its regions, in order: the embedding's (where the model has one) and the
+    """The model's modules run through its regions, in order: the embedding's (where the model has one) and the
     block regions. With ``handoff`` each region's gathered hand-off is held by the next region's first modules
     while that region runs. The embedding's region runs eagerly where its layouts are forward hooks (tensor
     parallel: compiled alone, the row-wise sharded embedding fails DTensor's sharding propagation in torch 2.13);
@@ -157,6 +157,32 @@ class RegionalForward:
                 out = region(x, freqs_cis, mask)
             x, handed = out if region.handoff is not None else (out, ())
         return x
+
+
+class _Regional:
+    """What ``run_in_regions`` mixes into a model's class: ``forward_modules`` runs the class's ``regions``; with a
+    generation cache, the plain modules."""
+
+    regions: RegionalForward
+
+    def forward_modules(self, tokens: torch.Tensor, freqs_cis: torch.Tensor, mask: Mask | None,
+                        cache: KVCache | None = None) -> torch.Tensor:
+        if cache is not None:
+            return super().forward_modules(tokens, freqs_cis, mask, cache)
+        return self.regions(tokens, freqs_cis, mask)
+
+
+def run_in_regions(model: nn.Module, regions: RegionalForward) -> None:
+    """Swap ``model``'s class (a ``Transformer``) for a subclass of its own that runs ``regions`` in place of its
+    modules: the regions live on that class, so the model's own attributes, parameters and state_dict stay as they
+    are."""
+    cls = type(model)
+    model.__class__ = type(cls.__name__, (_Regional, cls), {"regions": regions})
+
+
+def regions_of(model: nn.Module) -> RegionalForward | None:
+    """The regions ``model`` runs in (``run_in_regions``), or None."""
+    return model.regions if isinstance(model, _Regional) else None
 
 
 @contextlib.contextmanager

@@ -16,7 +16,8 @@ traces them there).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -31,6 +32,9 @@ from titan_simple.parallel.parallelize import parallelize_llama
 from titan_simple.parallel.pipeline import PipelineRun, build_pipeline
 from titan_simple.parallel.sharded_init import materialize_and_init
 from titan_simple.parallel.step_gather import StepGather
+
+if TYPE_CHECKING:  # an eager run never imports the compiler
+    from titan_simple.compile.comm_plan import CommPlanRecorder
 
 
 @dataclass
@@ -52,15 +56,14 @@ class ModelParts:
     model_with_loss: ModelWithLoss | None = None
     # Context parallel: this rank's share of each sequence, and the loss summed over the cp group.
     context_parallel: ContextParallel | None = None
+    # What compiling the parts recorded: the collectives of each compiled graph, once per recorder (pipeline
+    # stages compiled regionally share one). The run keeps them here; the compiled modules hold none.
+    comm_plan_recorders: list[CommPlanRecorder] = field(default_factory=list)
 
     @property
     def model(self) -> nn.Module | None:
         """The whole model when there is no pipeline, else None."""
         return self.modules[0] if self.pipeline is None else None
-
-    def compiled_modules(self) -> list[nn.Module]:
-        """The modules whose compiled graphs run in a step (where the comm plan recorders look)."""
-        return [*self.modules, *([self.model_with_loss] if self.model_with_loss is not None else [])]
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for module in self.modules for p in module.parameters()]
@@ -87,31 +90,39 @@ def build_model_parts(plan: RunPlan, mesh: DeviceMesh | None, device: torch.devi
         # that runs them with the training loss on the last stage.
         pipeline = build_pipeline(model, mesh, plan.pipeline, plan.parallel, device, seed=training.seed,
                                   loss_fn=plan.loss.scaled, materialize=materialize)
-        modules = pipeline.model_parts
+        modules, recorders = pipeline.model_parts, pipeline.comm_plan_recorders
     else:
         pipeline = None
-        model = parallelize_llama(model, mesh, plan.parallel)
+        recorders = [parallelize_llama(model, mesh, plan.parallel)]
         if materialize:
             materialize_and_init(model, device, training.seed)  # the same values on every layout
         modules = [model]
+    model_with_loss, loss_recorder = _model_with_loss(plan, modules)
     # Compiled forwards read the held weights as graph inputs: they must be gathered before the forward starts.
     step_gather = (StepGather(modules, lazy=not plan.compile.enabled) if plan.gather_mode == "once_per_step"
                    else None)
     return ModelParts(
         model_args=plan.model_args, modules=modules, pipeline=pipeline,
         device=device if materialize else torch.device("meta"), num_params=num_params, flops_per_token=flops,
-        step_gather=step_gather, model_with_loss=_model_with_loss(plan, modules),
+        step_gather=step_gather, model_with_loss=model_with_loss,
         context_parallel=ContextParallel(context_parallel_mesh(mesh)) if plan.dims.cp > 1 else None,
+        comm_plan_recorders=_distinct([*recorders, loss_recorder]),
     )
 
 
-def _model_with_loss(plan: RunPlan, modules: list[nn.Module]) -> ModelWithLoss | None:
-    """The model and the loss as one module when the plan compiles them together (``whole_with_loss``); it is
-    compiled here, where the recipe (``parallelize_llama``) compiles every other mode, so that the step runs
-    what it is given and compiles nothing. The dry run's plan has compile off: it traces the module eagerly."""
+def _model_with_loss(plan: RunPlan, modules: list[nn.Module]
+                     ) -> tuple[ModelWithLoss | None, CommPlanRecorder | None]:
+    """The model and the loss as one module when the plan compiles them together (``whole_with_loss``), and its
+    compile's comm plan recorder; it is compiled here, where the recipe (``parallelize_llama``) compiles every
+    other mode, so that the step runs what it is given and compiles nothing. The dry run's plan has compile off:
+    it traces the module eagerly."""
     if not plan.loss.compiled_with_model:
-        return None
+        return None, None
     model_with_loss = ModelWithLoss(modules[0], plan.autocast, plan.loss)
-    if plan.compile.enabled:
-        plan.compile.compile_whole(model_with_loss, plan_root="model")
-    return model_with_loss
+    recorder = plan.compile.compile_whole(model_with_loss, plan_root="model") if plan.compile.enabled else None
+    return model_with_loss, recorder
+
+
+def _distinct(recorders: list[object | None]) -> list[CommPlanRecorder]:
+    """Each recorder once, in order (a regional compile's pipeline stages share one); no None."""
+    return list({id(r): r for r in recorders if r is not None}.values())

@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from titan_simple.models.attention import AttentionInputs
+
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Summed token cross-entropy in fp32; the caller divides by the global number of target tokens.
@@ -79,9 +81,10 @@ class ModelWithLoss(nn.Module):
         self._autocast = autocast
         self._loss = loss
 
-    def forward(self, inputs: torch.Tensor, labels: torch.Tensor, **model_kwargs: torch.Tensor) -> torch.Tensor:
+    def forward(self, inputs: torch.Tensor, labels: torch.Tensor,
+                attention_inputs: AttentionInputs | None = None) -> torch.Tensor:
         with self._autocast():
-            output = self.model(inputs, **model_kwargs)
+            output = self.model(inputs, attention_inputs)
         return self._loss.sum(output, labels)
 
 

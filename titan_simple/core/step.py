@@ -33,6 +33,7 @@ import torch
 from titan_simple.core.build import ModelParts
 from titan_simple.core.plan import RunPlan
 from titan_simple.core.step_feature import StepFeature
+from titan_simple.models.attention import AttentionInputs
 from titan_simple.parallel.clip_grad import clip_grad_norm_
 from titan_simple.parallel.fsdp2 import gradient_averaging_factor
 from titan_simple.parallel.tensor_parallel import loss_parallel_context
@@ -117,10 +118,11 @@ class TrainStep:
         try:
             for inputs, labels in batches:
                 inputs, labels = inputs.to(self.device), labels.to(self.device)
-                model_kwargs = self.plan.attention.model_kwargs(inputs)  # {} for causal attention
+                attention_inputs = self.plan.attention.inputs(inputs)  # None for causal attention
                 if self.parts.context_parallel is not None:  # this rank's share of each row
-                    inputs, labels, model_kwargs = self.parts.context_parallel.shard(inputs, labels, model_kwargs)
-                batch_loss = self._forward_backward(inputs, labels, loss_scale, model_kwargs)
+                    inputs, labels, attention_inputs = self.parts.context_parallel.shard(inputs, labels,
+                                                                                         attention_inputs)
+                batch_loss = self._forward_backward(inputs, labels, loss_scale, attention_inputs)
                 if batch_loss is not None:
                     loss_sum += batch_loss
         except BaseException:
@@ -134,10 +136,6 @@ class TrainStep:
         if self.parts.context_parallel is not None:  # every cp rank: its data-parallel slice's loss
             loss_sum = self.parts.context_parallel.sum_over_ranks(loss_sum)
         return loss_sum, global_tokens
-
-    def compiled_modules(self) -> list[torch.nn.Module]:
-        """The modules whose compiled graphs run in this step (where the comm plan recorders look)."""
-        return self.parts.compiled_modules()
 
     def _params_with_gradients(self) -> list[torch.nn.Parameter]:
         return [p for part in self.parts.modules for p in part.parameters() if p.grad is not None]
@@ -172,7 +170,7 @@ class TrainStep:
 
     # -- what a layout supplies
     def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float,
-                          model_kwargs: dict[str, torch.Tensor]) -> torch.Tensor | None:
+                          attention_inputs: AttentionInputs | None) -> torch.Tensor | None:
         raise NotImplementedError
 
     def _combine_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
@@ -187,24 +185,24 @@ class LocalStep(TrainStep):
     the model (``plan.loss.compiled_with_model``), the build gives the model and its loss as one module
     (``parts.model_with_loss``) and the step runs that."""
 
-    def _forward_backward(self, inputs, labels, loss_scale, model_kwargs):
+    def _forward_backward(self, inputs, labels, loss_scale, attention_inputs):
         self.hooks.phase("forward")
         model_with_loss = self.parts.model_with_loss
         if model_with_loss is None:
-            loss_sum = self._eager_loss(inputs, labels, model_kwargs)
+            loss_sum = self._eager_loss(inputs, labels, attention_inputs)
         else:  # never with loss parallel (plan.choose_compile_mode)
-            loss_sum = model_with_loss(inputs, labels, **model_kwargs)
+            loss_sum = model_with_loss(inputs, labels, attention_inputs)
         with loss_parallel_context(self.plan.loss.parallel):
             self.hooks.phase("backward")
             (loss_sum * loss_scale).backward()
         return loss_sum.detach()
 
-    def _eager_loss(self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict[str, torch.Tensor]
+    def _eager_loss(self, inputs: torch.Tensor, labels: torch.Tensor, attention_inputs: AttentionInputs | None
                     ) -> torch.Tensor:
         """Forward and loss; the output (the [tokens, vocab] logits) is not referenced after this returns, so
         it lives only as long as the loss keeps it for backward (the chunked loss keeps none of it)."""
         with self.autocast():
-            output = self.parts.modules[0](inputs, **model_kwargs)
+            output = self.parts.modules[0](inputs, attention_inputs)
         with loss_parallel_context(self.plan.loss.parallel):
             return self.plan.loss.sum(output, labels)
 
@@ -214,10 +212,10 @@ class PipelineStep(TrainStep):
     the training loss (``core/loss.py``, given to it by the build) on the last stage; only that stage's rank
     sees the loss, the others receive it afterwards."""
 
-    def _forward_backward(self, inputs, labels, loss_scale, model_kwargs):
+    def _forward_backward(self, inputs, labels, loss_scale, attention_inputs):
         self.hooks.phase("forward")
         with self.autocast(), loss_parallel_context(self.plan.loss.parallel):
-            return self.parts.pipeline.step(inputs, labels, loss_scale, model_kwargs)
+            return self.parts.pipeline.step(inputs, labels, loss_scale, attention_inputs)
 
     def _combine_loss(self, loss_sum):
         return self.parts.pipeline.sum_over_stages(loss_sum)

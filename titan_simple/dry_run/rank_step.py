@@ -90,9 +90,9 @@ def _trace_part(part: nn.Module, stage: int | None, run: RunPlan, tracer: StepTr
     meta = torch.device("meta")
     tokens = torch.zeros(batch, training.seq_len, dtype=torch.long, device=meta)
     labels = torch.zeros(batch, training.seq_len, dtype=torch.long, device=meta)
-    kwargs: dict[str, torch.Tensor] = {}
+    attention_inputs = None
     if train_step.parts.context_parallel is not None:  # this rank's share of the sequence, as the step takes it
-        tokens, labels, kwargs = train_step.parts.context_parallel.shard(tokens, labels, kwargs)
+        tokens, labels, attention_inputs = train_step.parts.context_parallel.shard(tokens, labels, None)
     if first:
         inputs: torch.Tensor = tokens
     else:  # the previous stage's output: the residual stream, sequence-sharded under tensor parallel
@@ -104,7 +104,7 @@ def _trace_part(part: nn.Module, stage: int | None, run: RunPlan, tracer: StepTr
     tracer.set_phase("forward")
     before = tracer.live
     with fused_attention():  # no autocast: it keys on the tensors' device and does nothing to meta tensors
-        out = part(inputs, **kwargs)
+        out = part(inputs, attention_inputs)
         if last:
             with loss_parallel_context(loss_parallel):
                 loss = train_step.loss(out, labels, 1 / (batch * training.seq_len))  # the trainer's loss, exactly

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -34,6 +35,71 @@ KERNELS = ("sdpa", "flex")
 MASKS = ("causal", "block_causal")
 
 Mask = torch.Tensor | BlockMask  # what the blocks hand the attention: None means causal
+
+
+class CacheShape(Protocol):
+    """What a :class:`KVCache` reads of the model's arguments (``models/llama3.ModelArgs``)."""
+
+    n_layers: int
+    n_kv_heads: int
+
+    @property
+    def head_dim(self) -> int: ...
+
+
+class KVCache:
+    """Keys and values of the positions already seen, per layer, so generation feeds only the new tokens.
+
+    Used for sampling only; training passes no cache and runs exactly the code it always ran.
+    ``Transformer.forward(tokens, AttentionInputs(cache=cache))`` reads the rotary positions from ``position``,
+    each attention layer appends its new keys/values (``update``), and the forward then advances ``position``.
+    Buffers are ``[batch, kv_heads, max_len, head_dim]`` (SDPA's layout), allocated once.
+    """
+
+    def __init__(
+        self, args: CacheShape, batch_size: int, max_len: int, device: torch.device | str, dtype: torch.dtype
+    ) -> None:
+        shape = (batch_size, args.n_kv_heads, max_len, args.head_dim)
+        self.keys = {str(i): torch.zeros(shape, device=device, dtype=dtype) for i in range(args.n_layers)}
+        self.values = {str(i): torch.zeros(shape, device=device, dtype=dtype) for i in range(args.n_layers)}
+        self.max_len = max_len
+        self.position = 0  # number of positions filled
+
+    def update(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store ``k``/``v`` of the new positions for ``layer``; return the keys/values of all positions."""
+        end = self.position + k.shape[2]
+        self.keys[layer][:, :, self.position : end] = k
+        self.values[layer][:, :, self.position : end] = v
+        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
+
+    def mask(self, seq_len: int, device: torch.device) -> torch.Tensor:
+        """``[seq_len, position + seq_len]``: new query ``i`` (at ``position + i``) sees keys up to itself."""
+        query_positions = torch.arange(self.position, self.position + seq_len, device=device)
+        key_positions = torch.arange(self.position + seq_len, device=device)
+        return key_positions[None, :] <= query_positions[:, None]
+
+
+@dataclass(frozen=True)
+class AttentionInputs:
+    """What the model's attention needs besides the tokens: ``Transformer.forward(tokens, attention_inputs)``.
+    Every field None (or no ``attention_inputs`` at all): causal attention over rows at positions ``0..T-1``, the
+    call training has always compiled. One argument, so that the model's signature stays put as inputs are added.
+
+    Pipeline schedules split a stage's keyword inputs into microbatches with pytree (registered below): each tensor
+    field is cut along dim 0 like the tokens, the cache is passed whole."""
+
+    # [B, T] (``document_ids``): block-causal attention instead of causal; under context parallel, of the whole rows.
+    document_ids: torch.Tensor | None = None
+    # [B, T]: where the tokens are in their rows (RoPE and the mask), when not 0..T-1 (every row holds the same).
+    positions: torch.Tensor | None = None
+    # [B, T_keys]: the positions of the keys each attention gathers (context parallel, in gather order).
+    key_positions: torch.Tensor | None = None
+    # Generation: the keys and values of the positions already seen; the tokens are the ones after them.
+    cache: KVCache | None = None
+
+
+CAUSAL = AttentionInputs()  # what no ``attention_inputs`` means
+torch.export.register_dataclass(AttentionInputs)  # public pytree registration (torch.export's), for the schedules
 
 
 def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
@@ -132,12 +198,12 @@ class AttentionPlan:
     mask: str = "causal"
     eos_id: int | None = None
 
-    def model_kwargs(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The model's keyword inputs for a batch of ``tokens`` besides the tokens: none for causal attention (the
-        call every layout has always compiled), the document ids for block-causal."""
+    def inputs(self, tokens: torch.Tensor) -> AttentionInputs | None:
+        """The model's attention inputs for a batch of ``tokens``: None for causal attention (the call every layout
+        has always compiled), the document ids for block-causal."""
         if self.mask != "block_causal" or self.eos_id is None:
-            return {}
-        return {"document_ids": document_ids(tokens, self.eos_id)}
+            return None
+        return AttentionInputs(document_ids=document_ids(tokens, self.eos_id))
 
     def describe(self) -> str:
         ends = (f"EOS id {self.eos_id}" if self.eos_id is not None else

@@ -9,6 +9,10 @@ Written so the parallelisms can be applied from outside without touching this fi
   unchanged when tensor parallel gives ``wq`` / ``wk`` / ``wv`` only a slice of the heads.
 * The model can be built on the meta device and initialized after sharding: ``init_weights`` uses only the
   in-place ``torch.nn.init`` functions, which also work on DTensor parameters.
+* Nothing here names a parallelism; they swap a module's class for a subclass that overrides one method:
+  ``Attention.attend`` (context parallel gathers the keys and values first), ``Transformer.forward_modules``
+  (regional compilation runs compiled regions). Everything the attention takes besides the tokens is one argument,
+  ``models/attention.AttentionInputs``.
 
 Usage::
 
@@ -24,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -32,7 +35,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from titan_simple.errors import ConfigError
-from titan_simple.models.attention import Mask, attention_mask, flex, is_block_mask
+from titan_simple.models.attention import (
+    CAUSAL,
+    AttentionInputs,
+    KVCache,
+    Mask,
+    attention_mask,
+    flex,
+    is_block_mask,
+)
 from titan_simple.models.rope import LLAMA31_ROPE, LLAMA32_ROPE, RopeScaling, apply_rotary_emb, precompute_freqs_cis
 
 # Standard deviation of the input projections (and the base of the depth-scaled output projections).
@@ -141,7 +152,7 @@ def _grouped_query_attention(
     """Causal attention over ``[batch, heads, seq, head_dim]``; ``k``/``v`` may have fewer heads than ``q``.
 
     ``mask`` (boolean, True = may attend, broadcastable to ``[batch, 1, q_seq, k_seq]``) replaces the causal
-    mask: block-causal masks (``models/attention.py``) and decoding with a :class:`KVCache`, whose keys include
+    mask: block-causal masks (``models/attention.py``) and decoding with a ``KVCache``, whose keys include
     earlier positions than the queries. A FlexAttention ``BlockMask`` runs FlexAttention instead of SDPA.
 
     SDPA's ``enable_gqa`` avoids materializing the repeated KV heads, but on CUDA only the flash kernel
@@ -160,38 +171,6 @@ def _grouped_query_attention(
     return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **causal)
 
 
-class KVCache:
-    """Keys and values of the positions already seen, per layer, so generation feeds only the new tokens.
-
-    Used for sampling only; training passes no cache and runs exactly the code it always ran.
-    ``Transformer.forward(tokens, cache)`` reads the rotary positions from ``position``, each attention
-    layer appends its new keys/values (``update``), and the forward then advances ``position``.
-    Buffers are ``[batch, kv_heads, max_len, head_dim]`` (SDPA's layout), allocated once.
-    """
-
-    def __init__(
-        self, args: ModelArgs, batch_size: int, max_len: int, device: torch.device | str, dtype: torch.dtype
-    ) -> None:
-        shape = (batch_size, args.n_kv_heads, max_len, args.head_dim)
-        self.keys = {str(i): torch.zeros(shape, device=device, dtype=dtype) for i in range(args.n_layers)}
-        self.values = {str(i): torch.zeros(shape, device=device, dtype=dtype) for i in range(args.n_layers)}
-        self.max_len = max_len
-        self.position = 0  # number of positions filled
-
-    def update(self, layer: str, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store ``k``/``v`` of the new positions for ``layer``; return the keys/values of all positions."""
-        end = self.position + k.shape[2]
-        self.keys[layer][:, :, self.position : end] = k
-        self.values[layer][:, :, self.position : end] = v
-        return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
-
-    def mask(self, seq_len: int, device: torch.device) -> torch.Tensor:
-        """``[seq_len, position + seq_len]``: new query ``i`` (at ``position + i``) sees keys up to itself."""
-        query_positions = torch.arange(self.position, self.position + seq_len, device=device)
-        key_positions = torch.arange(self.position + seq_len, device=device)
-        return key_positions[None, :] <= query_positions[:, None]
-
-
 class Attention(nn.Module):
     """Causal multi-head self-attention with grouped-query KV heads and rotary position embeddings."""
 
@@ -202,10 +181,6 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        # Context parallel (parallel/context_parallel.py) sets it: keys and values of every rank's share of the
-        # sequence, gathered along dim 1.
-        self.gather_sequence: Callable[[torch.Tensor], torch.Tensor] | None = None
-        self.context_parallel_group: str | None = None  # the process group it gathers over
 
     def forward(
         self, x: torch.Tensor, freqs_cis: torch.Tensor, mask: Mask | None = None,
@@ -217,16 +192,20 @@ class Attention(nn.Module):
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim)
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rotary_emb(q, freqs_cis), apply_rotary_emb(k, freqs_cis)
-        if self.gather_sequence is not None:  # this rank's queries attend to the whole sequence's keys
-            k, v = self.gather_sequence(k), self.gather_sequence(v)
+        return self.wo(self.attend(q, k, v, mask, cache, layer))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | None = None,
+               cache: KVCache | None = None, layer: str = "") -> torch.Tensor:
+        """The attention kernel: queries, keys and values ``[batch, seq, heads, head_dim]`` (rotated) -> ``[batch,
+        seq, heads * head_dim]``. A method of its own so that a parallelism can swap it (context parallel's
+        subclass, ``parallel/context_parallel.py``, gathers the keys and values of the whole sequence first)."""
+        batch, seq_len = q.shape[:2]
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # SDPA wants [batch, heads, seq, head_dim]
-        if cache is None:
-            out = _grouped_query_attention(q, k, v, mask)
-        else:  # attend to the cached positions too
-            mask = cache.mask(seq_len, x.device)
+        if cache is not None:  # attend to the cached positions too
+            mask = cache.mask(seq_len, q.device)
             k, v = cache.update(layer, k, v)
-            out = _grouped_query_attention(q, k, v, mask)
-        return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
+        out = _grouped_query_attention(q, k, v, mask)
+        return out.transpose(1, 2).reshape(batch, seq_len, -1)
 
     def init_weights(self, out_init_std: float) -> None:
         for linear in (self.wq, self.wk, self.wv):
@@ -297,8 +276,10 @@ class Transformer(nn.Module):
     """Llama 3: token embedding, ``n_layers`` blocks, final RMSNorm and an output projection (the embedding
     itself with ``tie_word_embeddings``: one parameter, reached under both names).
 
-    ``forward(tokens[B, T]) -> logits[B, T, vocab]``; with a :class:`KVCache` (generation) the tokens are the
-    ones after the cached positions, and the cache advances by ``T``. A pipeline stage may set
+    ``forward(tokens[B, T], attention_inputs=None) -> logits[B, T, vocab]``; with a ``KVCache`` in the attention
+    inputs (generation) the tokens are the ones after the cached positions, and the cache advances by ``T``. The
+    model holds no parallelism: they swap its modules' classes (SimpleFSDP, activation checkpointing, context
+    parallel, regional compilation) or hook them (tensor parallel). A pipeline stage may set
     ``tok_embeddings`` (then the input is hidden states ``[B, T, dim]``) and/or ``norm`` and ``output`` to
     ``None`` (then it returns hidden states), and may delete entries of ``layers``.
     """
@@ -315,11 +296,6 @@ class Transformer(nn.Module):
             persistent=False,
         )
         self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
-        # What training runs instead of the embedding, blocks, norm and output, when set: consecutive blocks
-        # grouped into compiled regions, the first preceded by the embedding and the last followed by the norm
-        # and output where this model (stage) has them (compile/regions.py, regional compilation). A plain
-        # object, outside the module tree.
-        self.block_regions: Callable[..., torch.Tensor] | None = None
         self.norm: nn.RMSNorm | None = nn.RMSNorm(args.dim, eps=args.norm_eps)
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
@@ -360,36 +336,43 @@ class Transformer(nn.Module):
             std = self.args.dim**-0.5
             nn.init.trunc_normal_(self.output.weight, mean=0.0, std=std, a=-3 * std, b=3 * std)
 
-    def forward(self, tokens: torch.Tensor, cache: KVCache | None = None, document_ids: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None, key_positions: torch.Tensor | None = None) -> torch.Tensor:
-        """``document_ids`` ``[B, T]`` (``models/attention.document_ids``): block-causal attention instead of
-        causal. ``positions`` ``[B, T]``: where the tokens are in their rows (RoPE and the mask), when not
-        ``0..T-1``. ``key_positions`` ``[B, T_keys]``: the positions of the keys the attention gathers (context
-        parallel, ``parallel/context_parallel.py``; then ``document_ids`` are of the whole rows)."""
+    def forward(self, tokens: torch.Tensor, attention_inputs: AttentionInputs | None = None) -> torch.Tensor:
+        """``tokens`` ``[B, T]`` (or a pipeline stage's input ``[B, T, dim]``); ``attention_inputs``
+        (``models/attention.AttentionInputs``): document ids, positions, the keys' positions, the generation
+        cache; None is causal attention over rows at positions ``0..T-1``."""
+        inputs = attention_inputs if attention_inputs is not None else CAUSAL
+        freqs_cis = self._rotary_table(tokens, inputs)
+        mask = attention_mask(self.attention_kernel, tokens.shape[0], tokens.shape[1], tokens.device,
+                              inputs.document_ids, inputs.positions, inputs.key_positions)
+        h = self.forward_modules(tokens, freqs_cis, mask, inputs.cache)
+        if inputs.cache is not None:
+            inputs.cache.position += tokens.shape[1]
+        return h
+
+    def _rotary_table(self, tokens: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor:
+        """The RoPE rows of the tokens' positions; checks the rows fit the table (and the cache)."""
+        cache = inputs.cache
         start = 0 if cache is None else cache.position
-        end = start + tokens.shape[1]  # tokens [batch, seq], or a pipeline stage's input [batch, seq, dim]
-        if key_positions is not None:  # context parallel: this rank holds a share of rows of that length
-            end = key_positions.shape[1]
+        end = start + tokens.shape[1]
+        if inputs.key_positions is not None:  # context parallel: this rank holds a share of rows of that length
+            end = inputs.key_positions.shape[1]
         if end > self.freqs_cis.shape[0]:
             raise ValueError(f"sequence length {end} exceeds max_seq_len {self.freqs_cis.shape[0]}")
         if cache is not None and end > cache.max_len:
             raise ValueError(f"sequence length {end} exceeds the KV cache's max_len {cache.max_len}")
-        if positions is None:
-            freqs_cis = self.freqs_cis[start:end]
-        else:  # every row holds the same positions
-            freqs_cis = torch.view_as_real(self.freqs_cis)[positions[0]]
-        mask = attention_mask(self.attention_kernel, tokens.shape[0], tokens.shape[1], tokens.device, document_ids,
-                              positions, key_positions)
-        if cache is None and self.block_regions is not None:
-            # Regional compilation (compile/regions.py): the regions run the embedding, the blocks, the final
-            # norm and the output projection.
-            return self.block_regions(tokens, freqs_cis, mask)
+        if inputs.positions is None:
+            return self.freqs_cis[start:end]
+        return torch.view_as_real(self.freqs_cis)[inputs.positions[0]]  # every row holds the same positions
+
+    def forward_modules(self, tokens: torch.Tensor, freqs_cis: torch.Tensor, mask: Mask | None,
+                        cache: KVCache | None = None) -> torch.Tensor:
+        """The embedding, the blocks, the final norm and the output projection (those this model or stage has),
+        given the RoPE rows and the mask every block shares. Regional compilation's class (``compile/regions.py``)
+        runs them as compiled regions instead."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers.values():
             # Training calls layer(h, freqs_cis, mask); the cache is only passed when there is one.
             h = layer(h, freqs_cis, mask) if cache is None else layer(h, freqs_cis, cache=cache)
-        if cache is not None:
-            cache.position = end
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:

@@ -2,7 +2,7 @@
 
     context = ContextParallel(mesh["cp"])        # core/build.py, when [parallelism] context_parallel_degree > 1
     apply_context_parallel(model, mesh["cp"])    # the recipe: each attention gathers keys and values over cp
-    inputs, labels, kwargs = context.shard(inputs, labels, kwargs)   # the step, per batch
+    inputs, labels, attention_inputs = context.shard(inputs, labels, attention_inputs)   # the step, per batch
 
 **Load balance (head-tail).** Under a causal mask the last tokens of a sequence attend to the most keys, so a
 rank holding one contiguous slice would do unequal work. The sequence is cut into ``2 x cp`` chunks and rank
@@ -11,7 +11,8 @@ query-key pairs. Inputs and labels are permuted the same way, so each rank's los
 and the gradient is unchanged; ``positions`` tell RoPE and the mask where each held token really is.
 
 **Attention.** Each rank keeps its queries and all-gathers the keys and values of the whole sequence over the ``cp``
-dimension (``gather_sequence``: a functional all-gather, traced by the compiler like SimpleFSDP's gathers; its
+dimension: ``apply_context_parallel`` swaps each attention's class for a subclass whose kernel (``Attention.attend``)
+gathers first (``gather_sequence``: a functional all-gather, traced by the compiler like SimpleFSDP's gathers; its
 backward is the reduce-scatter that sums every rank's gradient of the gathered keys and values). The mask compares
 positions (``key_positions``: every rank's held positions in gather order), and for block-causal attention also the
 document ids of the whole row, so causal and block-causal both hold. The per-layer cost is one all-gather of ``T x
@@ -28,13 +29,15 @@ SimpleFSDP shards over ``dp_shard x cp`` (``parallel/dims.py``): the gradients' 
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from titan_simple.models.attention import AttentionInputs, KVCache, Mask
+from titan_simple.models.llama3 import Attention
 from titan_simple.parallel.torch_private import all_gather_with_reduce_scatter_backward
 
 
@@ -54,9 +57,9 @@ class ContextParallel:
         self.rank = mesh.get_local_rank()
         self._orders: dict[tuple[int, torch.device], torch.Tensor] = {}
 
-    def shard(self, inputs: torch.Tensor, labels: torch.Tensor, model_kwargs: dict[str, torch.Tensor]
-              ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-        """This rank's tokens and labels of ``[batch, seq]`` rows, and the model's keyword inputs: ``positions``
+    def shard(self, inputs: torch.Tensor, labels: torch.Tensor, attention_inputs: AttentionInputs | None
+              ) -> tuple[torch.Tensor, torch.Tensor, AttentionInputs]:
+        """This rank's tokens and labels of ``[batch, seq]`` rows, and the model's attention inputs: ``positions``
         (held, ``[batch, seq / cp]``) and ``key_positions`` (every rank's, in the order the keys are gathered);
         ``document_ids`` stay whole rows (the mask looks them up by position)."""
         batch, seq_len = inputs.shape
@@ -65,9 +68,10 @@ class ContextParallel:
             self._orders[key] = head_tail_positions(seq_len, self.degree).to(inputs.device)
         order = self._orders[key]
         mine = order[self.rank]
-        kwargs = {**model_kwargs, "positions": mine.expand(batch, -1).contiguous(),
-                  "key_positions": order.reshape(1, -1).expand(batch, -1).contiguous()}
-        return inputs[:, mine], labels[:, mine], kwargs
+        sharded = dataclasses.replace(attention_inputs or AttentionInputs(),
+                                      positions=mine.expand(batch, -1).contiguous(),
+                                      key_positions=order.reshape(1, -1).expand(batch, -1).contiguous())
+        return inputs[:, mine], labels[:, mine], sharded
 
     def sum_over_ranks(self, value: torch.Tensor) -> torch.Tensor:
         """``value`` (a loss summed over this rank's tokens) summed over the ``cp`` group: every rank then holds
@@ -85,18 +89,42 @@ def gather_sequence(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return gathered.transpose(0, 1)
 
 
+class ContextParallelAttention(Attention):
+    """An attention whose kernel sees the keys and values of the whole sequence: gathered over the ``cp`` group
+    ``group_name`` before the plain kernel runs. ``apply_context_parallel`` swaps it in (a subclass per group, so
+    that the module holds no state of its own: parameters, ``state_dict`` and the TP plan see an ``Attention``)."""
+
+    group_name: str = ""  # the process group the keys and values are gathered over (the comm plan labels it "cp")
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Mask | None = None,
+               cache: KVCache | None = None, layer: str = "") -> torch.Tensor:
+        k, v = gather_sequence(k, self.group_name), gather_sequence(v, self.group_name)
+        return super().attend(q, k, v, mask, cache, layer)
+
+
+def _context_parallel_class(group_name: str) -> type[ContextParallelAttention]:
+    if group_name not in _CONTEXT_PARALLEL_CLASSES:
+        _CONTEXT_PARALLEL_CLASSES[group_name] = type(
+            Attention.__name__, (ContextParallelAttention,), {"group_name": group_name})
+    return _CONTEXT_PARALLEL_CLASSES[group_name]
+
+
+_CONTEXT_PARALLEL_CLASSES: dict[str, type[ContextParallelAttention]] = {}
+
+
 def apply_context_parallel(model: nn.Module, mesh: DeviceMesh) -> None:
     """Every attention layer of ``model`` (a model or a pipeline stage) gathers its keys and values over
-    ``mesh`` (``context_parallel_mesh``)."""
-    group_name = mesh.get_group().group_name
+    ``mesh`` (``context_parallel_mesh``): its class is swapped, in place."""
+    attention_class = _context_parallel_class(mesh.get_group().group_name)
     for block in model.layers.values():
-        block.attention.gather_sequence = functools.partial(gather_sequence, group_name=group_name)
-        block.attention.context_parallel_group = group_name  # what the comm plan labels "cp"
+        if type(block.attention) is not Attention:
+            raise TypeError(f"context parallel swaps a plain Attention, not {type(block.attention).__name__}")
+        block.attention.__class__ = attention_class
 
 
 def context_parallel_group_names(model: nn.Module) -> set[str]:
     """The process groups ``model``'s attention layers gather keys and values over (the comm plan labels them)."""
-    return {group for module in model.modules() if (group := getattr(module, "context_parallel_group", None))}
+    return {module.group_name for module in model.modules() if isinstance(module, ContextParallelAttention)}
 
 
 def context_parallel_mesh(world: DeviceMesh) -> DeviceMesh:

@@ -39,9 +39,9 @@ class Compiles(Protocol):
 
     def compile_block(self, block: nn.Module) -> None: ...
 
-    def compile_regional(self, model: nn.Module) -> object: ...
+    def compile_regional(self, model: nn.Module) -> object | None: ...  # the comm plan recorder, or None
 
-    def compile_whole(self, model: nn.Module) -> object: ...
+    def compile_whole(self, model: nn.Module) -> object | None: ...
 
 
 @dataclass(frozen=True)
@@ -63,10 +63,12 @@ class ParallelPlan:
     save_float8_amax: bool = True  # selective op AC saves float8 amaxes ([float8] stable_recompute)
 
 
-def parallelize_llama(model: nn.Module, mesh: DeviceMesh | None, plan: ParallelPlan) -> nn.Module:
-    """Apply tensor parallel, activation checkpointing, data parallel and compilation to ``model`` (on the
-    meta device). A ``whole_with_loss`` compile is left to the build (``core/build.py`` compiles the model
-    together with its loss); every other compile mode is done here."""
+def parallelize_llama(model: nn.Module, mesh: DeviceMesh | None, plan: ParallelPlan) -> object | None:
+    """Apply tensor parallel, context parallel, activation checkpointing, data parallel and compilation to
+    ``model`` (on the meta device), in place: each swaps or hooks modules, none sets an attribute on the model.
+    Returns the compile's comm plan recorder (``compile/comm_plan.py``; None when nothing compiled with
+    Inductor's pass), which the build keeps. A ``whole_with_loss`` compile is left to the build (``core/build.py``
+    compiles the model together with its loss); every other compile mode is done here."""
     dims = plan.dims
     if dims.tp > 1:
         apply_tensor_parallel(model, tensor_parallel_mesh(mesh), loss_parallel=plan.loss_parallel,
@@ -104,10 +106,10 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh | None, plan: ParallelP
                         reduce_dtype=plan.reduce_dtype, reshard_after_forward=plan.reshard_after_forward)
 
     if plan.compile.mode == "regional":
-        plan.compile.compile_regional(model)
+        return plan.compile.compile_regional(model)
     if plan.compile.mode == "whole":
         # The whole model in one graph, the collectives included: Inductor sees and schedules them.
         # nn.Module.compile keeps the module (and its state_dict names) as they are. The [compile] bucketing /
         # reordering passes run, and comm_plan.json/.txt go to the dump folder.
-        plan.compile.compile_whole(model)
-    return model
+        return plan.compile.compile_whole(model)
+    return None

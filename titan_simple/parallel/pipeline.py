@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +55,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle, get_s
 
 from titan_simple.config import JobConfig
 from titan_simple.errors import ConfigError
+from titan_simple.models.attention import AttentionInputs
 from titan_simple.parallel.dims import tensor_parallel_mesh
 from titan_simple.parallel.parallelize import ParallelPlan, parallelize_llama
 from titan_simple.parallel.sharded_init import materialize_and_init
@@ -228,16 +229,18 @@ def split_stage(model: nn.Module, plan: PipelinePlan, stage: int) -> nn.Module:
 class PipelineRun:
     """This rank's stages and the schedule that drives them.
 
-    ``model_parts``: the local stage modules (the optimizer and gradient clipping cover all of them).
+    ``model_parts``: the local stage modules (the optimizer and gradient clipping cover all of them);
+    ``comm_plan_recorders``: what compiling them recorded (``parallelize_llama``'s, one per compiled stage).
     ``step(inputs, labels, loss_scale)``: forward + backward of one local batch through the whole pipeline;
     every pp rank calls it with the same batch. Returns the summed (unscaled) loss on the rank that holds the
     last stage, ``None`` elsewhere.
     """
 
     def __init__(self, plan: PipelinePlan, model_parts: list[nn.Module], stages: list[PipelineStage],
-                 pp_group: dist.ProcessGroup, loss_fn: LossFn):
+                 pp_group: dist.ProcessGroup, loss_fn: LossFn, comm_plan_recorders: Sequence[object] = ()):
         self.plan = plan
         self.model_parts = model_parts
+        self.comm_plan_recorders = list(comm_plan_recorders)
         self.stages = stages
         self.pp_group = pp_group
         self.has_first_stage = any(stage.is_first for stage in stages)
@@ -265,21 +268,23 @@ class PipelineRun:
         return self.loss_fn(logits, labels, self._loss_scale)
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor, loss_scale: float,
-             model_kwargs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
-        """``model_kwargs`` (block-causal attention's document ids, ``[batch, seq]``) go to every stage, split into
-        microbatches along the batch dim like the inputs."""
+             attention_inputs: AttentionInputs | None = None) -> torch.Tensor | None:
+        """``attention_inputs`` (block-causal attention's document ids, context parallel's positions) go to every
+        stage, each tensor split into microbatches along the batch dim like the inputs (``AttentionInputs`` is a
+        pytree node)."""
         self._loss_scale = loss_scale
         args = (inputs,) if self.has_first_stage else ()
         target = labels if self.has_last_stage else None
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         with self._compile_settings():
-            self.schedule.step(*args, target=target, losses=losses, return_outputs=False, **(model_kwargs or {}))
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False,
+                               **_model_kwargs(attention_inputs))
         if losses is None:
             return None
         return torch.stack([loss.detach() for loss in losses]).sum() / loss_scale
 
     def evaluate(self, inputs: torch.Tensor, labels: torch.Tensor,
-                 model_kwargs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | None:
+                 attention_inputs: AttentionInputs | None = None) -> torch.Tensor | None:
         """Forward only (the schedule's ``eval``): the summed loss of one local batch on the rank that holds
         the last stage, ``None`` elsewhere. Every pp rank calls it with the same batch, under ``no_grad``.
 
@@ -291,7 +296,7 @@ class PipelineRun:
         losses: list[torch.Tensor] | None = [] if self.has_last_stage else None
         with self._compile_settings():
             self.schedule.eval(*args, target=labels if self.has_last_stage else None, losses=losses,
-                               return_outputs=False, **(model_kwargs or {}))
+                               return_outputs=False, **_model_kwargs(attention_inputs))
         return None if losses is None else torch.stack(losses).sum()
 
     def sum_over_stages(self, value: torch.Tensor) -> torch.Tensor:
@@ -307,6 +312,11 @@ class PipelineRun:
         local = ", ".join(str(stage.stage_index) for stage in self.stages)
         return (f"pipeline {plan.schedule}: {plan.num_stages} stages (layers {layers}), this rank runs stage(s) "
                 f"{local}; {plan.n_microbatches} microbatches per local batch")
+
+
+def _model_kwargs(attention_inputs: AttentionInputs | None) -> dict[str, AttentionInputs]:
+    """The schedule's keyword inputs for every stage: none for causal attention (the call it always made)."""
+    return {} if attention_inputs is None else {"attention_inputs": attention_inputs}
 
 
 def _named_mesh(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
@@ -329,10 +339,10 @@ def build_pipeline(
     per microbatch on the last stage. Every rank of the world calls it."""
     pp_mesh = mesh["pp"]
     pp_rank = pp_mesh.get_local_rank()
-    parts, stages = [], []
+    parts, stages, recorders = [], [], []
     for stage_index in plan.stages_of_rank(pp_rank):
         part = split_stage(model, plan, stage_index)
-        part = parallelize_llama(part, mesh, parallel)
+        recorders.append(parallelize_llama(part, mesh, parallel))
         if materialize:
             materialize_and_init(part, device, seed)
         parts.append(part)
@@ -341,4 +351,5 @@ def build_pipeline(
         # mesh object its parameters use (dims.tensor_parallel_mesh says why).
         stages.append(PipelineStage(part, stage_index, plan.num_stages, device, group=pp_mesh.get_group(),
                                     get_mesh=lambda names, _layout: _named_mesh(mesh, names)))
-    return PipelineRun(plan, parts, stages, pp_mesh.get_group(), loss_fn)
+    return PipelineRun(plan, parts, stages, pp_mesh.get_group(), loss_fn,
+                       comm_plan_recorders=[r for r in recorders if r is not None])

@@ -74,10 +74,9 @@ class Trainer:
     def _describe_compiles(self) -> None:
         """After the first step, every rank (compile once gathers from all): what was compiled, loaded, reused."""
         from titan_simple.compile.cache import describe_compile_cache
-        from titan_simple.compile.compiler import comm_plan_recorders
         from titan_simple.compile.once import active_session, describe_compile_once
 
-        logger.info(describe_compile_cache(comm_plan_recorders(self.step_fn.compiled_modules())))
+        logger.info(describe_compile_cache(self.run.parts.comm_plan_recorders))
         if self.plan.compile.once:  # a multi-rank compile: every rank joins the summary, with a session or none
             logger.info(describe_compile_once(active_session()))
 

@@ -31,6 +31,7 @@ from titan_simple.core.loss import cross_entropy_sum
 from titan_simple.core.plan import RunPlan
 from titan_simple.data import Tokenizer, build_dataloader
 from titan_simple.errors import ConfigError
+from titan_simple.models.attention import AttentionInputs
 from titan_simple.parallel.context_parallel import ContextParallel
 from titan_simple.parallel.float8_gather import refresh_float8_weights
 from titan_simple.parallel.pipeline import PipelineRun
@@ -90,14 +91,14 @@ class Validator:
     def _model_parts(self) -> list[nn.Module]:
         return self.pipeline.model_parts if self.pipeline is not None else [self.model]
 
-    def _batch_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict[str, torch.Tensor]
+    def _batch_loss_sum(self, inputs: torch.Tensor, labels: torch.Tensor, attention_inputs: AttentionInputs | None
                         ) -> torch.Tensor | None:
         """Summed cross-entropy of one local batch; None on pipeline ranks without the last stage."""
         if self.pipeline is not None:
             with self.autocast(), loss_parallel_context(self.loss_parallel):
-                return self.pipeline.evaluate(inputs, labels, kwargs)
+                return self.pipeline.evaluate(inputs, labels, attention_inputs)
         with self.autocast():
-            logits = self.model(inputs, **kwargs)
+            logits = self.model(inputs, attention_inputs)
         with loss_parallel_context(self.loss_parallel):
             return cross_entropy_sum(logits, labels)
 
@@ -130,10 +131,10 @@ class Validator:
                 if not self._everyone_has_a_batch(batch is not None):
                     break
                 inputs, labels = (tensor.to(self.device) for tensor in batch)
-                kwargs = self.attention.model_kwargs(inputs)
+                attention_inputs = self.attention.inputs(inputs)
                 if self.context_parallel is not None:
-                    inputs, labels, kwargs = self.context_parallel.shard(inputs, labels, kwargs)
-                batch_loss = self._batch_loss_sum(inputs, labels, kwargs)
+                    inputs, labels, attention_inputs = self.context_parallel.shard(inputs, labels, attention_inputs)
+                batch_loss = self._batch_loss_sum(inputs, labels, attention_inputs)
                 if batch_loss is not None:
                     loss_sum += batch_loss.detach().double()
                 tokens += labels.numel()
