@@ -81,17 +81,17 @@ def stop_with_sigterm_after(trainer: Trainer, step: int) -> None:
 
     class Sigterm(StepHooks):
         def begin(self) -> None:
-            if trainer.step == step:
+            if trainer.global_step == step:
                 signal.raise_signal(signal.SIGTERM)
 
-    trainer.step_fn.hooks = Sigterm()
+    trainer.run.step.hooks = Sigterm()
 
 
 def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     """This rank's parameters (all of them unless pipeline parallel), unsharded (a collective)."""
     with sharded_parameters():
         return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                for part in trainer.model_parts for name, p in part.named_parameters()}
+                for part in trainer.run.parts.modules for name, p in part.named_parameters()}
 
 
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -489,7 +489,7 @@ def _train_on_ranks(rank: int, world_size: int, dump: str, extra: list[str], ste
     torch.set_num_threads(1)
     trainer = make_trainer(Path(dump), *extra, steps=steps,
                            dist_info=DistInfo(rank, world_size, rank, torch.device("cpu")))
-    start_step, loaded = trainer.step, full_weights(trainer)
+    start_step, loaded = trainer.global_step, full_weights(trainer)
     losses = trainer.train()
     trained = full_weights(trainer)
     return {"losses": losses, "start_step": start_step, "loaded": loaded, "trained": trained}
@@ -533,7 +533,7 @@ def test_reshard_fully_shard_two_ranks_to_one_four_tensor_and_pipeline_parallel(
             # the 6 saved steps, exactly, whatever the batch.
             saved_rows = 2 * trainer.config.training.local_batch_size
             assert trainer.dataloader.dataset.consumed == 6 * saved_rows
-            assert trainer.step == 6
+            assert trainer.global_step == 6
             assert_same_weights(full_weights(trainer), saved_weights)
             losses = trainer.train()
         else:

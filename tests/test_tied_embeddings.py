@@ -178,11 +178,13 @@ def _train_on_ranks(rank: int, world_size: int, dump: str, extra: list[str], ste
     torch.set_num_threads(1)
     trainer = make_trainer(Path(dump), *TIED, *extra, steps=steps,
                            dist_info=DistInfo(rank, world_size, rank, torch.device("cpu")))
+    model = trainer.run.parts.model
     with sharded_parameters():
-        tied = trainer.model.output.weight is trainer.model.tok_embeddings.weight
-        placements = tuple(trainer.model.tok_embeddings.weight.placements)
+        tied = model.output.weight is model.tok_embeddings.weight
+        placements = tuple(model.tok_embeddings.weight.placements)
     losses = trainer.train()
-    return {"losses": losses, "start_step": trainer.step - len(losses), "tied": tied, "placements": str(placements)}
+    return {"losses": losses, "start_step": trainer.global_step - len(losses), "tied": tied,
+            "placements": str(placements)}
 
 
 @pytest.mark.slow
