@@ -111,7 +111,7 @@ def test_sigterm_saves_and_resume_gives_identical_losses(tmp_path):
     assert complete_steps(tmp_path / "run" / "checkpoint") == [2]  # saved on the stop request
 
     resumed = make_trainer(tmp_path / "run", "--checkpoint.enable", "--checkpoint.interval", "100", steps=4)
-    assert (resumed.step, resumed.tokens_seen) == (2, 2 * 64)
+    assert (resumed.global_step, resumed.tokens_seen) == (2, 2 * 64)
     assert resumed.train() == uninterrupted[2:]  # bitwise
     assert complete_steps(tmp_path / "run" / "checkpoint") == [2, 4]  # the last step always saves
 
@@ -155,7 +155,7 @@ def test_keep_latest_k_and_a_failing_save_leaves_older_checkpoints(tmp_path, mon
 
     # Resume from step 2 with keep_latest_k = 2; the leftover partial folder is replaced when step 3 saves.
     again = make_trainer(tmp_path, *options, "--checkpoint.keep_latest_k", "2", steps=4)
-    assert again.step == 2
+    assert again.global_step == 2
     again.train()
     assert complete_steps(folder) == [3, 4]
     assert not list(folder.glob("*.partial"))
@@ -192,7 +192,7 @@ def test_seed_checkpoint_then_initial_load(tmp_path):
     seed_step = tmp_path / "seed" / "checkpoint" / "step-0"
     assert complete_steps(seed_step.parent) == [0]
     seeded = make_trainer(tmp_path / "run", "--checkpoint.initial_load_path", str(seed_step))
-    assert seeded.step == 0
+    assert seeded.global_step == 0
     assert_same_weights(full_weights(seeded), full_weights(seed))
 
 
@@ -560,8 +560,8 @@ def test_resuming_with_another_rope_stops_with_the_fix_and_an_initial_load_warns
                                           r"none to continue") as error:
         make_trainer(tmp_path, *tied, steps=2)
     assert "\n" not in str(error.value)
-    assert make_trainer(tmp_path, *tied, "--model.rope_scaling", "none", steps=2).step == 1
+    assert make_trainer(tmp_path, *tied, "--model.rope_scaling", "none", steps=2).global_step == 1
     with caplog.at_level(logging.WARNING, logger="titan_simple"):
         extended = make_trainer(tmp_path / "extended", "--model.flavor", "debugmodel_tied", "--model.n_layers", "1",
                                 "--checkpoint.initial_load_path", str(step), steps=1)
-    assert extended.step == 0 and "starting from its weights with this run's settings" in caplog.text
+    assert extended.global_step == 0 and "starting from its weights with this run's settings" in caplog.text
