@@ -545,7 +545,7 @@ def check_checkpoint(checks: Checks) -> Outcome:
         model_args=layout.parts.model_args, dp_rank=layout.dp_rank, dp_size=layout.dp_size, device=checks.device)
     saved = local_state(layout)
     started = time.perf_counter()
-    manager.save(TrainProgress(step=layout.steps_done))  # not the last step: asynchronous
+    manager.save(TrainProgress(global_step=layout.steps_done))  # not the last step: asynchronous
     staged = time.perf_counter() - started
     train(layout, 1)  # while the background thread writes: the staged copy must not change
     manager.close()

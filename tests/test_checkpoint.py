@@ -83,17 +83,17 @@ def stop_with_sigterm_after(trainer: Trainer, step: int) -> None:
 
     class Sigterm(StepHooks):
         def begin(self) -> None:
-            if trainer.step == step:
+            if trainer.global_step == step:
                 signal.raise_signal(signal.SIGTERM)
 
-    trainer.step_fn.hooks = Sigterm()
+    trainer.run.step.hooks = Sigterm()
 
 
 def full_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     """This rank's parameters (all of them unless pipeline parallel), unsharded (a collective)."""
     with sharded_parameters():
         return {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
-                for part in trainer.model_parts for name, p in part.named_parameters()}
+                for part in trainer.run.parts.modules for name, p in part.named_parameters()}
 
 
 def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -113,7 +113,7 @@ def test_sigterm_saves_and_resume_gives_identical_losses(tmp_path):
     assert complete_steps(tmp_path / "run" / "checkpoint") == [2]  # saved on the stop request
 
     resumed = make_trainer(tmp_path / "run", "--checkpoint.enable", "--checkpoint.interval", "100", steps=4)
-    assert (resumed.step, resumed.tokens_seen) == (2, 2 * 64)
+    assert (resumed.global_step, resumed.tokens_seen) == (2, 2 * 64)
     assert resumed.train() == uninterrupted[2:]  # bitwise
     assert complete_steps(tmp_path / "run" / "checkpoint") == [2, 4]  # the last step always saves
 
@@ -157,7 +157,7 @@ def test_keep_latest_k_and_a_failing_save_leaves_older_checkpoints(tmp_path, mon
 
     # Resume from step 2 with keep_latest_k = 2; the leftover partial folder is replaced when step 3 saves.
     again = make_trainer(tmp_path, *options, "--checkpoint.keep_latest_k", "2", steps=4)
-    assert again.step == 2
+    assert again.global_step == 2
     again.train()
     assert complete_steps(folder) == [3, 4]
     assert not list(folder.glob("*.partial"))
@@ -194,7 +194,7 @@ def test_seed_checkpoint_then_initial_load(tmp_path):
     seed_step = tmp_path / "seed" / "checkpoint" / "step-0"
     assert complete_steps(seed_step.parent) == [0]
     seeded = make_trainer(tmp_path / "run", "--checkpoint.initial_load_path", str(seed_step))
-    assert seeded.step == 0
+    assert seeded.global_step == 0
     assert_same_weights(full_weights(seeded), full_weights(seed))
 
 
@@ -521,7 +521,7 @@ def _train_on_ranks(rank: int, world_size: int, dump: str, extra: list[str], ste
     torch.set_num_threads(1)
     trainer = make_trainer(Path(dump), *extra, steps=steps,
                            dist_info=DistInfo(rank, world_size, rank, torch.device("cpu")))
-    start_step, loaded = trainer.step, full_weights(trainer)
+    start_step, loaded = trainer.global_step, full_weights(trainer)
     losses = trainer.train()
     trained = full_weights(trainer)
     return {"losses": losses, "start_step": start_step, "loaded": loaded, "trained": trained}
@@ -565,7 +565,7 @@ def test_reshard_fully_shard_two_ranks_to_one_four_tensor_and_pipeline_parallel(
             # the 6 saved steps, exactly, whatever the batch.
             saved_rows = 2 * trainer.config.training.local_batch_size
             assert trainer.dataloader.dataset.consumed == 6 * saved_rows
-            assert trainer.step == 6
+            assert trainer.global_step == 6
             assert_same_weights(full_weights(trainer), saved_weights)
             losses = trainer.train()
         else:
@@ -592,8 +592,8 @@ def test_resuming_with_another_rope_stops_with_the_fix_and_an_initial_load_warns
                                           r"none to continue") as error:
         make_trainer(tmp_path, *tied, steps=2)
     assert "\n" not in str(error.value)
-    assert make_trainer(tmp_path, *tied, "--model.rope_scaling", "none", steps=2).step == 1
+    assert make_trainer(tmp_path, *tied, "--model.rope_scaling", "none", steps=2).global_step == 1
     with caplog.at_level(logging.WARNING, logger="titan_simple"):
         extended = make_trainer(tmp_path / "extended", "--model.flavor", "debugmodel_tied", "--model.n_layers", "1",
                                 "--checkpoint.initial_load_path", str(step), steps=1)
-    assert extended.step == 0 and "starting from its weights with this run's settings" in caplog.text
+    assert extended.global_step == 0 and "starting from its weights with this run's settings" in caplog.text

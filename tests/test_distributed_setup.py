@@ -183,7 +183,7 @@ def _trainer_timeouts(rank: int, world_size: int, dump: str) -> tuple[list[float
         def begin(self) -> None:
             seen.append(process_group_timeout_seconds())
 
-    trainer.step_fn.hooks = Watch()
+    trainer.run.step.hooks = Watch()
     trainer.train()
     return seen, [process_group_timeout_seconds(g) for g in trainer.process_groups]
 

@@ -38,8 +38,9 @@ from titan_simple.trainer.fault_tolerance import (
     check_reachable,
     replica_nccl_group_class,
 )
+from titan_simple.trainer.loop_feature import Progress
 from titan_simple.trainer.metrics import LIVE_GROUPS, _format_console_line
-from titan_simple.trainer.replica_state import GradientBuckets, Progress, ReplicaState, recovery_timeout, state_bytes
+from titan_simple.trainer.replica_state import GradientBuckets, ReplicaState, recovery_timeout, state_bytes
 
 REPO = Path(__file__).resolve().parent.parent
 TORCHRUN_ENV = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
@@ -267,7 +268,7 @@ def test_a_fresh_group_heals_into_exactly_the_live_state():
         for step in range(3):
             _train_step(*live, seed=step)
         fresh = _sharded_model_and_optimizer(seed=1)  # other weights, no optimizer state, schedule at 0
-        progress = Progress(step=3, tokens_seen=96, consumed_samples=12)
+        progress = Progress(global_step=3, tokens_seen=96, consumed_samples=12)
         sent = ReplicaState(list(live[0].parameters()), live[1], live[2], lambda: progress)
         received = ReplicaState(list(fresh[0].parameters()), fresh[1], fresh[2], lambda: Progress(0, 0, 0))
         assert received.digests() != sent.digests()
@@ -495,5 +496,5 @@ def test_fault_tolerance_off_builds_no_replica_groups(tmp_path):
 
     config = load_job_config([*TINY, "--training.steps", "1", "--job.dump_folder", str(tmp_path)])
     trainer = Trainer(config)
-    assert trainer.replicas is None and trainer.step_fn.features == ()
+    assert trainer.loop_features == [] and trainer.run.step.features == ()
     assert trainer.log_folder == str(tmp_path)

@@ -47,7 +47,7 @@ def trained(tmp_path_factory):
     trainer = Trainer(config)
     trainer.train()
     assert (dump / "checkpoint" / f"step-{STEPS}" / "hf").is_dir()
-    yield config, trainer.model, trainer.tokenizer, dump / "checkpoint"
+    yield config, trainer.run.parts.model, trainer.tokenizer, dump / "checkpoint"
     torch.set_num_threads(threads)
 
 

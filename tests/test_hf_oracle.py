@@ -161,8 +161,8 @@ def test_trainer_initial_load_imports_a_transformers_folder(hf_folder, tokens, t
                               "--model.hf_config", str(folder), "--checkpoint.initial_load_path", str(folder),
                               "--job.dump_folder", str(tmp_path)])
     trainer = Trainer(config)
-    assert trainer.step == 0
-    assert_matches_oracle(trainer.model.eval(), theirs, tokens)
+    assert trainer.global_step == 0
+    assert_matches_oracle(trainer.run.parts.model.eval(), theirs, tokens)
 
 
 def test_generate_script_continues_a_prompt_as_transformers_does(hf_folder, capsys):

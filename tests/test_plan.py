@@ -190,6 +190,22 @@ def test_the_step_imports_no_feature_module():
     assert imported.isdisjoint(FEATURE_MODULES)
 
 
+def test_the_loop_names_no_feature_and_only_the_feature_assembly_imports_fault_tolerance():
+    """Fault tolerance reaches the loop as a LoopFeature (trainer/loop_feature.py) that trainer/features.py
+    assembles: trainer.py has no replica branch and imports no feature module, and no other package module imports
+    fault tolerance."""
+    trainer = REPO / "titan_simple" / "trainer" / "trainer.py"
+    source = trainer.read_text()
+    assert "replicas" not in source and "fault_tolerance" not in source
+    imported = {node.module for node in ast.walk(ast.parse(source)) if isinstance(node, ast.ImportFrom)}
+    assert imported.isdisjoint(FEATURE_MODULES) and "titan_simple.trainer.features" in imported
+    package = REPO / "titan_simple"
+    importers = {str(path.relative_to(REPO)) for path, tree in _sources().items() if path.is_relative_to(package)
+                 for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module == "titan_simple.trainer.fault_tolerance"}
+    assert importers == {"titan_simple/trainer/features.py"}
+
+
 # ---------------------------------------------------------------------------------------------- behaviour
 
 

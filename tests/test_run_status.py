@@ -205,7 +205,7 @@ sys.path.insert(0, {repo!r})
 from titan_simple.trainer.trainer import Trainer
 
 def train_step(self, batches):
-    if self.dist.rank == 1 and self.step == 3:
+    if self.dist.rank == 1 and self.global_step == 3:
         raise RuntimeError("rank 1 fails at step 3")
     return original(self, batches)
 

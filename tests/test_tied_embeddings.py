@@ -130,8 +130,9 @@ def test_tied_resume_is_exact_and_hf_round_trip_is_bitwise(tmp_path):
     assert len(first.train()) == 2
     resumed = make_trainer(tmp_path / "run", *TIED, "--checkpoint.enable", "--checkpoint.interval", "100",
                            "--checkpoint.last_save_in_hf", steps=4)
-    assert resumed.step == 2
-    assert resumed.model.output.weight is resumed.model.tok_embeddings.weight
+    assert resumed.global_step == 2
+    model = resumed.run.parts.model
+    assert model.output.weight is model.tok_embeddings.weight
     assert resumed.train() == uninterrupted[2:]  # bitwise
 
     hf = tmp_path / "run" / "checkpoint" / "step-4" / "hf"
@@ -143,7 +144,7 @@ def test_tied_resume_is_exact_and_hf_round_trip_is_bitwise(tmp_path):
     from_dcp = make_trainer(tmp_path / "from_dcp", *TIED, "--checkpoint.initial_load_path",
                             str(hf.parent), steps=1)
     assert_same_weights(full_weights(from_hf), full_weights(from_dcp))
-    assert from_hf.model.output.weight is from_hf.model.tok_embeddings.weight
+    assert from_hf.run.parts.model.output.weight is from_hf.run.parts.model.tok_embeddings.weight
     assert from_hf.train() == from_dcp.train()
 
 
@@ -178,11 +179,13 @@ def _train_on_ranks(rank: int, world_size: int, dump: str, extra: list[str], ste
     torch.set_num_threads(1)
     trainer = make_trainer(Path(dump), *TIED, *extra, steps=steps,
                            dist_info=DistInfo(rank, world_size, rank, torch.device("cpu")))
+    model = trainer.run.parts.model
     with sharded_parameters():
-        tied = trainer.model.output.weight is trainer.model.tok_embeddings.weight
-        placements = tuple(trainer.model.tok_embeddings.weight.placements)
+        tied = model.output.weight is model.tok_embeddings.weight
+        placements = tuple(model.tok_embeddings.weight.placements)
     losses = trainer.train()
-    return {"losses": losses, "start_step": trainer.step - len(losses), "tied": tied, "placements": str(placements)}
+    return {"losses": losses, "start_step": trainer.global_step - len(losses), "tied": tied,
+            "placements": str(placements)}
 
 
 @pytest.mark.slow

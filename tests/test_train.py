@@ -13,7 +13,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from titan_simple.config import load_job_config
 from titan_simple.core.step import StepHooks
+from titan_simple.core.step_feature import StepFeature
 from titan_simple.errors import NonFiniteTraining
+from titan_simple.trainer.loop_feature import LoopFeature, Progress
 from titan_simple.trainer.trainer import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -93,18 +95,18 @@ def test_torchrun_two_processes_simple_fsdp_matches_fsdp2(tmp_path):
 def _poison_step(trainer: Trainer, bad_step: int) -> list[int]:
     """Make a gradient NaN at ``bad_step`` after its backward (as a NaN loss would); return the steps the
     optimizer took."""
-    optimizer_step, stepped = trainer.optimizer.step, []
+    optimizer_step, stepped = trainer.run.optimizer.step, []
 
     class Poison(StepHooks):
         def phase(self, name: str) -> None:
-            if name == "optimizer" and trainer.step == bad_step:
-                next(p for p in trainer.parts.parameters() if p.grad is not None).grad.fill_(float("nan"))
+            if name == "optimizer" and trainer.global_step == bad_step:
+                next(p for p in trainer.run.parts.parameters() if p.grad is not None).grad.fill_(float("nan"))
 
     def counting_step(*args, **kwargs):
-        stepped.append(trainer.step)
+        stepped.append(trainer.global_step)
         return optimizer_step(*args, **kwargs)
 
-    trainer.step_fn.hooks, trainer.optimizer.step = Poison(), counting_step
+    trainer.run.step.hooks, trainer.run.optimizer.step = Poison(), counting_step
     return stepped
 
 
@@ -134,7 +136,86 @@ def test_skip_nonfinite_steps_skips_only_that_step(tmp_path):
     stepped = _poison_step(trainer, bad_step=2)
     losses = trainer.train()
     assert stepped == [1, 3, 4, 5, 6] and len(losses) == 6
-    assert trainer.lr_scheduler.last_epoch == 5  # the schedule did not advance on the skipped step
+    assert trainer.run.lr_scheduler.last_epoch == 5  # the schedule did not advance on the skipped step
+
+
+class JumpingFeature(LoopFeature):
+    """A loop feature that records its calls, moves the loop once (before step 2 to after step 3, two batches
+    further in the data), counts each step's tokens twice, adds a metric and a step feature, and never writes
+    checkpoints."""
+
+    def __init__(self, tokens_at_jump: int, rows_per_step: int) -> None:
+        self.tokens_at_jump, self.rows_per_step = tokens_at_jump, rows_per_step
+        self.calls: list[tuple] = []
+        self.counter = CountingStepFeature()
+
+    def step_features(self) -> list[StepFeature]:
+        return [self.counter]
+
+    def after_restore(self, run, progress) -> None:
+        self.calls.append(("after_restore", run, progress()))
+
+    def before_step(self, progress: Progress) -> Progress | None:
+        self.calls.append(("before_step", progress))
+        if progress.global_step != 1:
+            return None
+        return Progress(global_step=3, tokens_seen=self.tokens_at_jump,
+                        consumed_samples=progress.consumed_samples + 2 * self.rows_per_step)
+
+    def step_tokens(self, tokens: int) -> int:
+        return 2 * tokens
+
+    def metrics(self) -> dict[str, float]:
+        return {"feature/answer": 42.0}
+
+    def after_step(self, global_step: int) -> None:
+        self.calls.append(("after_step", global_step))
+
+    def writes_checkpoints(self) -> bool:
+        return False
+
+    def shutdown(self) -> None:
+        self.calls.append(("shutdown",))
+
+
+class CountingStepFeature(StepFeature):
+    def __init__(self) -> None:
+        self.forwards = 0
+
+    def before_forward(self) -> None:
+        self.forwards += 1
+
+
+def test_loop_features_move_the_loop_count_its_tokens_and_decide_who_writes(tmp_path, monkeypatch):
+    """The trainer's loop calls a LoopFeature's hooks (trainer/loop_feature.py) in their order: a Progress
+    returned before a step moves the step, tokens and data position the loop reads on from; the feature's tokens,
+    metrics and checkpoint vote are the loop's."""
+    import titan_simple.trainer.trainer as trainer_module
+
+    rows, tokens_per_step = 2, 2 * 64  # local batch 2 on one process, seq_len 64
+    feature = JumpingFeature(tokens_at_jump=1000, rows_per_step=rows)
+    monkeypatch.setattr(trainer_module, "build_loop_features", lambda *args: [feature])
+    config = load_job_config(["--config", "llama3_debug.toml", *TINY, "--training.steps", "4", "--job.dump_folder",
+                              str(tmp_path), "--checkpoint.enable", "--checkpoint.interval", "1"])
+    trainer = Trainer(config)
+    assert trainer.run.step.features == (feature.counter,)
+    losses = trainer.train()
+
+    assert len(losses) == 2 and feature.counter.forwards == 2  # steps 1 and 4: the feature skipped 2 and 3
+    assert feature.calls == [
+        ("after_restore", trainer.run, Progress(global_step=0, tokens_seen=0, consumed_samples=0)),
+        ("before_step", Progress(global_step=0, tokens_seen=0, consumed_samples=0)),
+        ("after_step", 1),
+        ("before_step", Progress(global_step=1, tokens_seen=2 * tokens_per_step, consumed_samples=rows)),
+        ("after_step", 4),
+        ("shutdown",),
+    ]
+    assert trainer.global_step == 4 and trainer.tokens_seen == 1000 + 2 * tokens_per_step
+    assert trainer.dataloader.dataset.consumed == 4 * rows  # step 4 read the 4th global batch
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [(r["step"], r["feature/answer"]) for r in records] == [(1, 42.0), (4, 42.0)]
+    assert not (tmp_path / "checkpoint").exists() or not any((tmp_path / "checkpoint").iterdir())
+    assert json.loads((tmp_path / "run_status.json").read_text())["state"] == "finished"
 
 
 def _worker_pid(launcher_pid: int, rank: int) -> int | None:

@@ -61,10 +61,10 @@ def hand_computed_loss(model: torch.nn.Module, batches) -> float:
 def full_state(trainer: Trainer) -> dict[str, torch.Tensor]:
     """The whole model's parameters, on every rank (a collective: every rank must call it)."""
     state = {}
-    for part in trainer.model_parts:
+    for part in trainer.run.parts.modules:
         for name, param in part.named_parameters():
             state[name] = param.full_tensor() if isinstance(param, DTensor) else param.detach().clone()
-    if trainer.pipeline is not None:  # each pp rank holds its stages: gather them all
+    if trainer.run.parts.pipeline is not None:  # each pp rank holds its stages: gather them all
         everyone: list = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, state)
         state = {k: v for rank_state in everyone for k, v in rank_state.items()}
@@ -85,8 +85,9 @@ def test_validation_loss_equals_hand_computed_loss_and_is_logged(tmp_path, caplo
     trainer = Trainer(tiny_config(str(tmp_path), "--training.steps", "4", "--validation.freq", "2"))
     batches = held_out_batches(trainer.config, 0, 1, VALIDATION_STEPS)
 
+    model = trainer.run.parts.model
     at_init = trainer.validator.validate()
-    expected = hand_computed_loss(trainer.model, batches)
+    expected = hand_computed_loss(model, batches)
     assert at_init["validation_metrics/loss"] == pytest.approx(expected, rel=1e-6)
     assert abs(expected - math.log(2000)) < 0.5  # an untrained model is about uniform over the 2000 tokens
     assert at_init["validation_metrics/perplexity"] == pytest.approx(math.exp(expected), rel=1e-6)
@@ -95,7 +96,7 @@ def test_validation_loss_equals_hand_computed_loss_and_is_logged(tmp_path, caplo
     with caplog.at_level(logging.INFO, logger="titan_simple"):
         trainer.train()
     after = trainer.validator.validate()
-    assert after["validation_metrics/loss"] == pytest.approx(hand_computed_loss(trainer.model, batches), rel=1e-6)
+    assert after["validation_metrics/loss"] == pytest.approx(hand_computed_loss(model, batches), rel=1e-6)
 
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     validation = [r for r in records if "validation_metrics/loss" in r]
@@ -164,7 +165,7 @@ def _validate_layouts(rank: int, world_size: int, dump: str, layouts: dict[str, 
         losses = trainer.train()
         metrics = trainer.validator.validate()
         state = full_state(trainer)  # every rank gathers; rank 0's copy is enough
-        results[name] = {"metrics": metrics, "state": state if rank == 0 else None, "dp_size": trainer.dp_size,
+        results[name] = {"metrics": metrics, "state": state if rank == 0 else None, "dp_size": trainer.run.dp_size,
                          "losses": losses}
     return results
 

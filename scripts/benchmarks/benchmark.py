@@ -368,7 +368,7 @@ def worker_main(argv: list[str]) -> None:
     build_s = time.perf_counter() - t0
     probe = step_probe(trainer, count_last=args.profile is None,
                        profile_step=args.warmup + 1 if args.profile else None, profile_path=args.profile, rank=rank)
-    trainer.step_fn.hooks = probe
+    trainer.run.step.hooks = probe
     trainer.train()
 
     if dist.is_initialized():
@@ -394,8 +394,8 @@ def worker_main(argv: list[str]) -> None:
         "start_rss_bytes": probe.start_rss,
         "collectives_counted": probe.collectives,
         "matmul_flops_per_s": flops_rate,
-        "flops_per_token": trainer.flops_per_token,
-        "num_params": trainer.num_params,
+        "flops_per_token": trainer.run.parts.flops_per_token,
+        "num_params": trainer.run.parts.num_params,
     }
     everyone = [mine]
     if dist.is_initialized():

@@ -57,7 +57,7 @@ def worker_main() -> None:
     record, train = Trainer._record, Trainer.train
 
     def timed_record(self, result, timer):
-        marks[f"step{self.step}"] = (cpu(), time.time())
+        marks[f"step{self.global_step}"] = (cpu(), time.time())
         return record(self, result, timer)
 
     def timed_train(self):

@@ -16,7 +16,7 @@ The DCP state dict (nested keys are flattened by DCP: ``model.layers.0.attention
     optimizer     per-parameter state with flattened names, so it reshards like the model (PP included)
     lr_scheduler  the LambdaLR state
     dataloader    {"consumed_samples", "seq_len"}: the data position, global (data/sample_index.py)
-    train_state   step, tokens_seen, and the dp size / world size it was saved with
+    train_state   step (the trainer's global_step), tokens_seen, and the dp size / world size it was saved with
     rng           {"rank_<r>": RNG states} of every rank
 
 DCP reshards DTensors on load, so a checkpoint saved on one layout loads on any other. The data position is the
@@ -94,9 +94,10 @@ _OPTIMIZER_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 @dataclass
 class TrainProgress:
-    """What the trainer counts and a checkpoint restores besides the stateful objects."""
+    """What the trainer counts and a checkpoint restores besides the stateful objects (saved as ``train_state``,
+    the step under its key ``step``)."""
 
-    step: int = 0
+    global_step: int = 0
     tokens_seen: int = 0
 
 
@@ -292,11 +293,11 @@ class CheckpointManager:
         elif "rng" in wanted:
             logger.info("checkpoint: saved on %d ranks, running on %d: RNG states are not restored",
                         saved["world_size"], self.world_size)
-        progress = TrainProgress(step=saved["step"], tokens_seen=saved["tokens_seen"])
+        progress = TrainProgress(global_step=saved["step"], tokens_seen=saved["tokens_seen"])
         if "train_state" not in wanted:
             progress = TrainProgress()  # excluded: count steps and tokens from 0 again
         logger.info("checkpoint: loaded %s from %s (step %d, %s) in %.1f s", ", ".join(sorted(state)), path,
-                    progress.step, f"{progress.tokens_seen:,} tokens", time.perf_counter() - started)
+                    progress.global_step, f"{progress.tokens_seen:,} tokens", time.perf_counter() - started)
         return progress
 
     def _restore_data_position(self, path: Path, position: dict[str, int] | None, tokens_seen: int, wanted: bool,
@@ -348,7 +349,7 @@ class CheckpointManager:
         (fault tolerance: another replica group writes this step's checkpoint).
         """
         self._commit_if_done()
-        checkpoint_config, step = self.config, progress.step
+        checkpoint_config, step = self.config, progress.global_step
         if not write or not checkpoint_config.enable or step == self._last_saved_step:
             return
         if not (force or last or step % checkpoint_config.interval == 0):
@@ -378,7 +379,7 @@ class CheckpointManager:
             state: dict[str, Any] = {"model": model}
             if not model_only:
                 state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIMIZER_OPTIONS)
-        state["train_state"] = {"step": progress.step, "tokens_seen": progress.tokens_seen,
+        state["train_state"] = {"step": progress.global_step, "tokens_seen": progress.tokens_seen,
                                 "dp_size": self.dp_size, "world_size": self.world_size}
         if not model_only:
             state["lr_scheduler"] = _pack(self.lr_scheduler.state_dict())
@@ -389,7 +390,7 @@ class CheckpointManager:
         return state
 
     def _write(self, progress: TrainProgress, *, model_only: bool, asynchronous: bool) -> None:
-        step = progress.step
+        step = progress.global_step
         partial = partial_folder(self.folder, step)
         started = time.perf_counter()
         error = None

@@ -3,9 +3,10 @@
 The data-parallel world is ``[fault_tolerance] group_size`` replica groups. Each group is its own torchrun job
 with the same config (SimpleFSDP, TP, PP inside, exactly as without fault tolerance) and its own
 ``replica_id``; torchft's lighthouse (one process for the whole job) forms a quorum of the live groups every
-step, and torchft's ``Manager`` joins them:
+step, and torchft's ``Manager`` joins them. ``ReplicaGroups`` is a feature of the loop (``LoopFeature``) and of
+the step (``StepFeature``); the trainer and the step call its hooks and name it nowhere:
 
-    start_step()        quorum with the live groups (sync): a group that is behind receives this rank's
+    before_step()       quorum with the live groups (sync): a group that is behind receives this rank's
                         shards, the optimizer state, the schedule and the progress from a live peer first
     forward / backward  inside the group, compiled or eager, SimpleFSDP's own reduce-scatter / all-reduce
     average()           the group's gradient shards (and the loss) averaged across the live groups: rank r of
@@ -37,18 +38,23 @@ import socket
 import threading
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 import torch
 
 from titan_simple.core.step_feature import StepFeature
 from titan_simple.errors import ConfigError, LighthouseLost
+from titan_simple.trainer.loop_feature import LoopFeature, Progress
 from titan_simple.trainer.metrics import LIVE_GROUPS
-from titan_simple.trainer.replica_state import GradientBuckets, Progress, ReplicaState, recovery_timeout, state_bytes
+from titan_simple.trainer.replica_state import GradientBuckets, ReplicaState, recovery_timeout, state_bytes
+
+if TYPE_CHECKING:  # the assembly imports the model and the parallelisms
+    from titan_simple.core.assemble import Run
 
 logger = logging.getLogger("titan_simple")
 
@@ -170,11 +176,12 @@ def replica_process_group(device: torch.device, timeout: timedelta) -> Any:
     return ProcessGroupGloo(timeout=timeout)
 
 
-class ReplicaGroups(StepFeature):
+class ReplicaGroups(StepFeature, LoopFeature):
     """This rank's view of the replica groups: torchft's Manager over a reconfigurable process group that links
     rank r of every live group. A step feature (``core/step.py``): after backward it averages the gradients
-    over the live groups, and the step commits only when every group completed it. Built before the run (the
-    assembly installs it), ``connect`` after the checkpoint is loaded (``state.progress`` is where the run is)."""
+    over the live groups, and the step commits only when every group completed it. A loop feature
+    (``trainer/loop_feature.py``): it connects after the checkpoint is loaded, joins each step's quorum (and heals
+    there), counts every live group's tokens, and lets one group write the shared checkpoints."""
 
     keeps_gradient_buffers = True  # the average runs in the gradients' own buffer (GradientBuckets)
 
@@ -198,8 +205,16 @@ class ReplicaGroups(StepFeature):
         self.first_quorum = True
         self.quorum_timeout_seconds = ft.quorum_timeout_seconds
         self.live_groups = 0
-        self.quorum_seconds = 0.0  # of the last start_step: a stall waiting for a quorum, or a heal, shows here
+        self.quorum_seconds = 0.0  # of the last before_step: a stall waiting for a quorum, or a heal, shows here
         self.allreduce_seconds = 0.0  # of the last average()
+
+    def step_features(self) -> list[StepFeature]:
+        return [self]
+
+    def after_restore(self, run: Run, progress: Callable[[], Progress]) -> None:
+        """Join the replica groups with the run's state, as restored: the quorum compares the groups' steps."""
+        params = [p for part in run.parts.modules for p in part.parameters()]
+        self.connect(ReplicaState(params, run.optimizer, run.lr_scheduler, progress))
 
     def connect(self, state: ReplicaState) -> None:
         """Join the lighthouse with this rank's ``state`` (after the checkpoint is loaded into it)."""
@@ -227,7 +242,8 @@ class ReplicaGroups(StepFeature):
             init_sync=False,
         )
         progress = state.progress()
-        self.manager.load_state_dict({"step": progress.step, "batches_committed": progress.step * ft.group_size})
+        self.manager.load_state_dict({"step": progress.global_step,
+                                     "batches_committed": progress.global_step * ft.group_size})
         self.failure = FailureInjection.from_environment(dump_folder, rank)
         self.hash_file = (Path(dump_folder) / f"shard_hashes_rank{rank}.jsonl") if ft.log_shard_hashes else None
 
@@ -240,10 +256,11 @@ class ReplicaGroups(StepFeature):
         started = time.perf_counter()
         self.healed = self.state.load_state_dict(state)
         logger.warning("fault tolerance: healed from a live group: now at step %d (applied in %.2f s)",
-                       self.healed.step, time.perf_counter() - started)
+                       self.healed.global_step, time.perf_counter() - started)
 
-    def start_step(self, step: int) -> Progress | None:
+    def before_step(self, progress: Progress) -> Progress | None:
         """Join this step's quorum (before the forward); returns the progress received if this group healed."""
+        step = progress.global_step
         self.failure.maybe_pause("between", step)
         self.healed = None
         self.committed_steps = step
@@ -268,7 +285,7 @@ class ReplicaGroups(StepFeature):
         live = self.manager.num_participants()
         self.quorum_seconds = time.perf_counter() - started
         if live != self.live_groups:
-            at = self.healed.step if self.healed is not None else step
+            at = self.healed.global_step if self.healed is not None else step
             logger.warning("fault tolerance: %d of %d replica groups live (step %d, quorum took %.2f s)", live,
                            self.group_size, at + 1, self.quorum_seconds)
         self.live_groups = live
@@ -323,14 +340,19 @@ class ReplicaGroups(StepFeature):
                            self.manager.errored())
         return committed
 
+    def step_tokens(self, tokens: int) -> int:
+        """Every live group trained on as many tokens as this one."""
+        return tokens * self.live_groups
+
     def writes_checkpoints(self) -> bool:
         """One group writes the shared checkpoints: the first in the current quorum."""
         return self.manager.participating_rank() == 0
 
-    def step_done(self, step: int) -> None:
+    def after_step(self, global_step: int) -> None:
+        """``log_shard_hashes``: this rank's shard digests, one line per committed step."""
         if self.hash_file is not None:
             with open(self.hash_file, "a") as f:
-                f.write(json.dumps({"step": step, **self.state.digests()}) + "\n")
+                f.write(json.dumps({"step": global_step, **self.state.digests()}) + "\n")
 
     def metrics(self) -> dict[str, float]:
         return {LIVE_GROUPS: float(self.live_groups),

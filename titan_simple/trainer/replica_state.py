@@ -6,21 +6,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
 
-
-@dataclass
-class Progress:
-    """What the trainer counts besides the stateful objects; a healing group takes it from its peer."""
-
-    step: int
-    tokens_seen: int
-    consumed_samples: int
+from titan_simple.trainer.loop_feature import Progress
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -29,8 +21,9 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 class ReplicaState:
     """What a healing group receives from a live one, rank by rank: this rank's shards of the parameters and of
-    the optimizer state, the optimizer's hyperparameters (the LR the schedule set), the schedule and the
-    progress. Shards travel as plain local tensors (the layouts are the same in every group)."""
+    the optimizer state, the optimizer's hyperparameters (the LR the schedule set), the schedule and the loop's
+    ``Progress`` (step, tokens, data position). Shards travel as plain local tensors (the layouts are the same in
+    every group)."""
 
     def __init__(self, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, lr_scheduler: Any,
                  progress: Callable[[], Progress]) -> None:

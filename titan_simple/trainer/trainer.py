@@ -1,4 +1,7 @@
-"""The training loop: build everything once, then ``for step: batch -> forward/backward -> clip -> step -> log``."""
+"""The training loop: build everything once, then ``for step: batch -> forward/backward -> clip -> step -> log ->
+checkpoint``. What a feature needs from the loop (to move it before a step, the tokens a step counts, its metrics,
+who writes checkpoints) comes through the hooks of ``LoopFeature`` (``trainer/loop_feature.py``), and what it
+changes in a step through ``StepFeature``: this file names no feature (``tests/test_plan.py``)."""
 
 from __future__ import annotations
 
@@ -17,7 +20,6 @@ from titan_simple.core.step import StepResult
 from titan_simple.data import Tokenizer, build_dataloader
 from titan_simple.errors import NonFiniteTraining
 from titan_simple.models.from_config import check_vocabulary
-from titan_simple.parallel.dims import dp_rank_and_size
 from titan_simple.trainer.checkpoint import CheckpointManager, TrainProgress
 from titan_simple.trainer.distributed import (
     DistInfo,
@@ -26,7 +28,8 @@ from titan_simple.trainer.distributed import (
     read_launch_environment,
     set_timeouts,
 )
-from titan_simple.trainer.fault_tolerance import ReplicaGroups, check_fault_tolerance, log_folder
+from titan_simple.trainer.features import build_loop_features, log_folder
+from titan_simple.trainer.loop_feature import Progress
 from titan_simple.trainer.metrics import (
     MemoryMonitor,
     MetricsLogger,
@@ -35,7 +38,6 @@ from titan_simple.trainer.metrics import (
     global_avg_and_max,
 )
 from titan_simple.trainer.profiling import Profiler
-from titan_simple.trainer.replica_state import Progress, ReplicaState
 from titan_simple.trainer.run_status import RunStatus
 from titan_simple.trainer.validation import Validator
 from titan_simple.trainer.wandb_run import wandb_options
@@ -55,19 +57,19 @@ def plan_and_check(config: JobConfig, world_size: int, device_type: str) -> tupl
 
 
 class Trainer:
-    """Builds everything once (the plan and its checks first, then the process group, mesh, data, model parts,
-    optimizer, the step, metrics and checkpoint), then ``train()`` runs the loop. ``self.plan`` is every
-    decision of the run (``core/plan.py``); ``self.step_fn`` the training step (``core/step.py``), whose
-    ``hooks`` let a caller watch it."""
+    """Builds everything once (the plan and its checks first, then the process group, mesh, model parts, optimizer,
+    the step, data, metrics and checkpoint), then ``train()`` runs the loop. ``self.plan`` is every decision of the
+    run (``core/plan.py``); ``self.run`` what it trains with (``core/assemble.Run``: the model parts, optimizer,
+    schedule, the step, this rank's data-parallel index); ``self.global_step`` the optimizer steps taken. A
+    caller watches the step through ``self.run.step.hooks`` (``core/step.StepHooks``)."""
 
     def __init__(self, config: JobConfig, dist_info: DistInfo | None = None) -> None:
         self.config = config
         self.dist = dist_info or read_launch_environment()
         self.device = self.dist.device
         self._plan_before_communication()
-        self._start_process_groups()
+        self._assemble(self._start_process_groups())
         self.dataloader = self._build_dataloader()
-        self._assemble()
         self._build_services()
         self._restore()
 
@@ -84,13 +86,11 @@ class Trainer:
         """Every decision and every check that needs no communication, before the process group exists."""
         config = self.config
         self.plan, self.tokenizer = plan_and_check(config, self.dist.world_size, self.device.type)
-        self.dims = self.plan.dims
-        # Fault tolerance: one replica group of several; its lighthouse is checked before anything expensive.
-        self.lighthouse = check_fault_tolerance(config, self.dims) if config.fault_tolerance.enable else None
-        # Each group logs into its own folder (its ranks are numbered like every other group's); checkpoints stay
-        # shared in dump_folder: any group restores them.
+        # The loop's features (trainer/features.py), checked before anything expensive.
+        self.loop_features = build_loop_features(config, self.plan.dims, self.dist)
+        # Where metrics and the run status go (a feature may give each process group its own); checkpoints stay in
+        # dump_folder.
         self.log_folder = log_folder(config)
-        self.gradient_accumulation_steps = self.plan.accumulation_steps
         # Before CUDA starts and before the process group exists: torch reads these variables once.
         for line in [*self.plan.describe(), *prepare_process_environment(config, self.device.type)]:
             logger.info(line)
@@ -108,47 +108,38 @@ class Trainer:
             # algorithms only when deterministic mode is already on (docs/parallelism.md).
             torch.use_deterministic_algorithms(True)
 
-    def _start_process_groups(self) -> None:
-        """The process group, the seed and the mesh; every group on the start-up timeout until step 1 ends."""
+    def _start_process_groups(self) -> Any:
+        """The process group, the seed and the mesh (returned); every group on the start-up timeout until step 1
+        ends."""
         init_process_group(self.dist, self.config.comm.init_timeout_seconds)
         torch.manual_seed(self.config.training.seed)
-        self.mesh = self.dims.build_mesh(self.device.type)
+        mesh = self.plan.dims.build_mesh(self.device.type)
         # The mesh's groups start with torch's default timeout, not the default group's: give them the start-up one.
-        self.process_groups = self.dims.process_groups(self.mesh)
+        self.process_groups = self.plan.dims.process_groups(mesh)
         set_timeouts(self.process_groups, self.config.comm.init_timeout_seconds)
         self._start_up_timeout = True  # until the first step has ended on every rank (train())
         self._validated = False
-        self.dp_rank, self.dp_size = dp_rank_and_size(self.mesh, self.dims)
+        return mesh
+
+    def _assemble(self, mesh: Any) -> None:
+        """The run (``core/assemble.build_run``), with what the loop's features add to every step."""
+        step_features = [step_feature for feature in self.loop_features for step_feature in feature.step_features()]
+        self.run = build_run(self.plan, self.device, mesh=mesh, features=step_features)
 
     def _build_dataloader(self) -> Any:
         training, data = self.config.training, self.plan.data
         return build_dataloader(
             dataset=training.dataset, dataset_path=training.dataset_path, tokenizer=self.tokenizer,
             seq_len=training.seq_len, local_batch_size=training.local_batch_size,
-            # Which rows of each global batch this rank reads (every replica group's ranks count).
-            dp_rank=data.rank(self.dp_rank), dp_world_size=data.ranks,
+            # Which rows of each global batch this rank reads (the plan's data order counts every rank that reads).
+            dp_rank=data.rank(self.run.dp_rank), dp_world_size=data.ranks,
             # The layout-invariant order: global sample ids (data/sample_index.py).
             global_rows=data.global_rows, shuffle_seed=data.shuffle_seed, cache=data.cache,
         )
 
-    def _assemble(self) -> None:
-        """The run (``core/assemble.build_run``); under fault tolerance the replica groups are one of the step's
-        features, and join the other groups after the checkpoint (``_restore``)."""
-        config = self.config
-        self.replicas = ReplicaGroups(
-            config, rank=self.dist.rank, world_size=self.dist.world_size, device=self.device,
-            lighthouse=self.lighthouse, dump_folder=self.log_folder) if config.fault_tolerance.enable else None
-        self.run = build_run(self.plan, self.device, mesh=self.mesh,
-                             features=[self.replicas] if self.replicas is not None else [])
-        self.parts, self.optimizer, self.lr_scheduler = self.run.parts, self.run.optimizer, self.run.lr_scheduler
-        self.step_fn = self.run.step
-        self.model_parts = self.parts.modules
-        self.model, self.pipeline = self.parts.model, self.parts.pipeline  # model: None under pipeline parallel
-        self.num_params, self.flops_per_token = self.parts.num_params, self.parts.flops_per_token
-
     def _build_services(self) -> None:
         """Metrics, memory, validation, profiling, the run status and the checkpoint manager."""
-        config = self.config
+        config, run = self.config, self.run
         self.metrics = MetricsLogger(
             self.log_folder, rank=self.dist.rank, enable_tensorboard=config.metrics.enable_tensorboard,
             save_tb_folder=config.metrics.save_tb_folder,
@@ -158,46 +149,46 @@ class Trainer:
         )
         self.memory = MemoryMonitor(self.device)
         self.validator = Validator(
-            self.plan, tokenizer=self.tokenizer, dp_rank=self.dp_rank, dp_size=self.dp_size, device=self.device,
-            model=self.model, pipeline=self.pipeline, context_parallel=self.parts.context_parallel,
+            self.plan, tokenizer=self.tokenizer, dp_rank=run.dp_rank, dp_size=run.dp_size, device=self.device,
+            model=run.parts.model, pipeline=run.parts.pipeline, context_parallel=run.parts.context_parallel,
         ) if self.plan.validation is not None else None
         self.profiler = Profiler(config.profiling, self.log_folder, rank=self.dist.rank, device=self.device)
         self.peak_flops = peak_flops_per_second(self.device)
-        self.step = 0
+        self.global_step = 0
         self.losses: list[float] = []  # global average loss of every step, for tests and summaries
         self._stop_signal = 0  # the first SIGINT / SIGTERM this rank received, 0 if none
         self.run_status = RunStatus(self.log_folder, rank=self.dist.rank, steps=config.training.steps)
         self._log_summary()
         self.tokens_seen = 0
         self.checkpoint = CheckpointManager(
-            config, model_parts=self.model_parts, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
-            dataloader=self.dataloader, model_args=self.parts.model_args, dp_rank=self.dp_rank,
-            dp_size=self.dp_size, device=self.device,
+            config, model_parts=run.parts.modules, optimizer=run.optimizer, lr_scheduler=run.lr_scheduler,
+            dataloader=self.dataloader, model_args=run.parts.model_args, dp_rank=run.dp_rank,
+            dp_size=run.dp_size, device=self.device,
             special_tokens={"bos_token_id": self.tokenizer.bos_id, "eos_token_id": self.tokenizer.eos_id},
         )
 
     def _restore(self) -> None:
-        """The newest checkpoint (model, optimizer, schedule, data position, RNG: all built by now); then, under
-        fault tolerance, the quorum: the groups compare steps, and one that is behind heals from a peer."""
+        """The newest checkpoint (model, optimizer, schedule, data position, RNG: all built by now); then the
+        features start from that state."""
         resumed = self.checkpoint.load()
         if resumed is not None:
-            self.step, self.tokens_seen = resumed.step, resumed.tokens_seen
-        if self.replicas is not None:
-            params = [p for part in self.model_parts for p in part.parameters()]
-            self.replicas.connect(ReplicaState(params, self.optimizer, self.lr_scheduler, self._ft_progress))
+            self.global_step, self.tokens_seen = resumed.global_step, resumed.tokens_seen
+        for feature in self.loop_features:
+            feature.after_restore(self.run, self._progress)
 
     def _log_summary(self) -> None:
-        stages = ("" if self.pipeline is None else
-                  " (this rank's stages: " + ", ".join(str(s.stage_index) for s in self.pipeline.stages) + ")")
-        logger.info("built: %s parameters on %s%s | dataset %s | dump %s", f"{self.num_params:,}", self.device,
-                    stages, self.config.training.dataset, self.config.job.dump_folder)
+        pipeline = self.run.parts.pipeline
+        stages = ("" if pipeline is None else
+                  " (this rank's stages: " + ", ".join(str(s.stage_index) for s in pipeline.stages) + ")")
+        logger.info("built: %s parameters on %s%s | dataset %s | dump %s", f"{self.run.parts.num_params:,}",
+                    self.device, stages, self.config.training.dataset, self.config.job.dump_folder)
 
     # ------------------------------------------------------------------------------------------ step
 
     def train_step(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
-        """One step (``self.step_fn``); a non-finite gradient norm stops the run or, with
+        """One step (``self.run.step``); a non-finite gradient norm stops the run or, with
         ``skip_nonfinite_steps``, skips the update with a warning."""
-        result = self.step_fn(batches)
+        result = self.run.step(batches)
         if not result.applied and result.committed:
             self._handle_nonfinite(float(result.grad_norm))
         return result
@@ -206,15 +197,15 @@ class Trainer:
         """Skip the step (``skip_nonfinite_steps``) or stop before anything poisoned reaches a checkpoint."""
         if self.config.training.skip_nonfinite_steps:
             logger.warning("step %d: gradient norm %s is not finite; skipping this optimizer step",
-                           self.step, grad_norm)
+                           self.global_step, grad_norm)
             return
         last_good = self.checkpoint.latest_complete()
         restart = (f"the last good checkpoint is {last_good}. Lower [optimizer] lr or raise warmup and resume from "
                    "it" if last_good else "no checkpoint was saved. Lower [optimizer] lr or raise warmup and start "
                    "again")
         raise NonFiniteTraining(
-            f"step {self.step}: the loss or gradient norm is {grad_norm} (not finite); {restart}, or set [training] "
-            "skip_nonfinite_steps = true to skip such steps."
+            f"step {self.global_step}: the loss or gradient norm is {grad_norm} (not finite); {restart}, or set "
+            "[training] skip_nonfinite_steps = true to skip such steps."
         )
 
     # ------------------------------------------------------------------------------------------ loop
@@ -247,59 +238,59 @@ class Trainer:
         steps = self.config.training.steps
         checkpoint = self.checkpoint.latest_complete() if self.config.checkpoint.enable else None
         checkpoint = str(checkpoint) if checkpoint else None
-        if stop_signal is not None and self.step < steps:
-            self.run_status.write("stopped", self.step, signal=stop_signal.name, checkpoint=checkpoint)
+        if stop_signal is not None and self.global_step < steps:
+            self.run_status.write("stopped", self.global_step, signal=stop_signal.name, checkpoint=checkpoint)
         else:
-            self.run_status.write("finished", self.step, checkpoint=checkpoint)
+            self.run_status.write("finished", self.global_step, checkpoint=checkpoint)
 
-    def _progress(self) -> TrainProgress:
-        return TrainProgress(step=self.step, tokens_seen=self.tokens_seen)
+    def _progress(self) -> Progress:
+        """Where the loop stands (what the loop's features read, and may move: ``_before_step``)."""
+        return Progress(global_step=self.global_step, tokens_seen=self.tokens_seen,
+                        consumed_samples=self.dataloader.dataset.consumed)
 
-    def _ft_progress(self) -> Progress:
-        return Progress(step=self.step, tokens_seen=self.tokens_seen, consumed_samples=self.dataloader.dataset.consumed)
-
-    def _join_replica_quorum(self, data_iter: Any) -> Any:
-        """Fault tolerance: this step's quorum of live groups. A group that was behind has just received a peer's
-        weights, optimizer state and schedule; it takes the peer's progress and data position too."""
-        assert self.replicas is not None
-        healed = self.replicas.start_step(self.step)
-        if healed is None:
-            return data_iter
-        self.step, self.tokens_seen = healed.step, healed.tokens_seen
-        self.dataloader.dataset.resume_at(healed.consumed_samples)
+    def _read_from(self, consumed_samples: int) -> Any:
+        """A data iterator whose next batch is the global batch after ``consumed_samples`` samples."""
+        self.dataloader.dataset.resume_at(consumed_samples)
         return iter(self.dataloader)
 
+    def _before_step(self, data_iter: Any) -> Any:
+        """The features' turn before a step; one may move the loop (its step, tokens and data position, e.g. after
+        it replaced the run's state with a peer's): the loop reads on from there."""
+        for feature in self.loop_features:
+            moved = feature.before_step(self._progress())
+            if moved is not None:
+                self.global_step, self.tokens_seen = moved.global_step, moved.tokens_seen
+                data_iter = self._read_from(moved.consumed_samples)
+        return data_iter
+
     def train(self) -> list[float]:
-        steps = self.config.training.steps
+        """The loop, until ``[training] steps`` or a stop request on any rank; returns every step's loss."""
         if self.config.checkpoint.create_seed_checkpoint:
             self.checkpoint.save_seed()
             return []
+        steps = self.config.training.steps
         previous_handlers = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
-        data_iter = iter(self.dataloader)
-        resumed_at = self.step
-        timer = StepTimer()
+        data_iter, timer, first_step = iter(self.dataloader), StepTimer(), self.global_step + 1
         self.memory.reset_peak()
-        self.profiler.start(first_step=self.step)
-        self.run_status.write("running", self.step)
+        self.profiler.start(first_step=self.global_step)
+        self.run_status.write("running", self.global_step)
         stop_signal = None
         try:
-            while self.step < steps:
-                if self.replicas is not None:
-                    data_iter = self._join_replica_quorum(data_iter)
-                    if self.step >= steps:  # healed from a group that had finished
-                        break
+            while self.global_step < steps:
+                data_iter = self._before_step(data_iter)
+                if self.global_step >= steps:  # a feature moved the loop to its end
+                    break
                 consumed_before = self.dataloader.dataset.consumed
-                self.step += 1
+                self.global_step += 1
                 with timer.data_loading():
-                    batches = [next(data_iter) for _ in range(self.gradient_accumulation_steps)]
-                with self.profiler.dump_on_oom(self.step):
+                    batches = [next(data_iter) for _ in range(self.plan.accumulation_steps)]
+                with self.profiler.dump_on_oom(self.global_step):
                     result = self.train_step(batches)
-                if not result.committed:  # a peer group failed mid-step: retry the step, on the same rows
-                    self.step -= 1
-                    self.dataloader.dataset.resume_at(consumed_before)
-                    data_iter = iter(self.dataloader)
+                if not result.committed:  # a step feature voted against this step: retry it, on the same rows
+                    self.global_step -= 1
+                    data_iter = self._read_from(consumed_before)
                     continue
-                if self.step == resumed_at + 1 and self.plan.compile.enabled:  # every graph is compiled by now
+                if self.global_step == first_step and self.plan.compile.enabled:  # every graph is compiled by now
                     self._describe_compiles()
                 self._record(result, timer)
                 stop_signal = self._after_step(timer)
@@ -307,57 +298,60 @@ class Trainer:
                     break
             self.checkpoint.close()  # a background save still running
         except BaseException as error:
-            self.run_status.write_failure(self.step, error)
+            self.run_status.write_failure(self.global_step, error)
             raise
         finally:
             for s, handler in previous_handlers.items():
                 signal.signal(s, handler)
             self.profiler.stop()
             self.metrics.close()
-            if self.replicas is not None:
-                self.replicas.shutdown()
+            for feature in self.loop_features:
+                feature.shutdown()
         self._write_end_status(stop_signal)
         return self.losses
 
     def _record(self, result: StepResult, timer: StepTimer) -> None:
         """The step's global loss, its tokens, and (every ``log_freq`` steps) the logged metrics."""
-        steps = self.config.training.steps
+        steps, step = self.config.training.steps, self.global_step
         # Tokens per device: ranks that split one batch (tensor / pipeline parallel) share its tokens.
         timer.step_done(result.global_tokens // self.dist.world_size)
         avg_loss, max_loss = global_avg_and_max(result.local_mean)
         self.losses.append(avg_loss)
-        live_groups = self.replicas.live_groups if self.replicas is not None else 1
-        self.tokens_seen += result.global_tokens * live_groups
-        if self.step == 1 or self.step % self.config.metrics.log_freq == 0 or self.step == steps:
+        tokens = result.global_tokens
+        for feature in self.loop_features:
+            tokens = feature.step_tokens(tokens)
+        self.tokens_seen += tokens
+        if step == 1 or step % self.config.metrics.log_freq == 0 or step == steps:
             metrics = {
                 "loss_metrics/global_avg_loss": avg_loss,
                 "loss_metrics/global_max_loss": max_loss,
                 "grad_norm": result.grad_norm.item(),
                 "lr": result.lr,
-                **timer.window_metrics(self.flops_per_token, self.peak_flops),
+                **timer.window_metrics(self.run.parts.flops_per_token, self.peak_flops),
                 **self.memory.read(),
-                **(self.replicas.metrics() if self.replicas is not None else {}),
             }
-            self.metrics.log(self.step, metrics, total_steps=steps, eta_seconds=timer.eta_seconds(steps - self.step))
+            for feature in self.loop_features:
+                metrics.update(feature.metrics())
+            self.metrics.log(step, metrics, total_steps=steps, eta_seconds=timer.eta_seconds(steps - step))
             self.memory.reset_peak()
 
     def _after_step(self, timer: StepTimer) -> signal.Signals | None:
         """Profile, validate, checkpoint; returns the stop signal of any rank (after saving), else None."""
-        steps = self.config.training.steps
-        self.profiler.step(self.step)  # before validation: traces show training steps only
-        if self.validator is not None and self.validator.due(self.step, steps):
+        steps, step = self.config.training.steps, self.global_step
+        self.profiler.step(step)  # before validation: traces show training steps only
+        if self.validator is not None and self.validator.due(step, steps):
             with timer.excluded():  # not part of the training throughput
-                self.metrics.log(self.step, self._validate(), total_steps=steps)
-        if self.replicas is not None:
-            self.replicas.step_done(self.step)
-        # With fault tolerance one group writes the shared checkpoints (the first in the quorum).
-        writes = self.replicas is None or self.replicas.writes_checkpoints()
-        self.checkpoint.save(self._progress(), last=self.step == steps, write=writes)
+                self.metrics.log(step, self._validate(), total_steps=steps)
+        for feature in self.loop_features:
+            feature.after_step(step)
+        writes = all(feature.writes_checkpoints() for feature in self.loop_features)
+        progress = TrainProgress(global_step=step, tokens_seen=self.tokens_seen)
+        self.checkpoint.save(progress, last=step == steps, write=writes)
         stop_signal = self._stop_signal_of_any_rank()
         if self._start_up_timeout:  # every rank got past this step's all-reduce: none is still compiling
             set_timeouts(self.process_groups, self.config.comm.train_timeout_seconds)
             self._start_up_timeout = False
         if stop_signal is not None:
-            self.checkpoint.save(self._progress(), force=True, write=writes)  # nothing to do if this step saved
-            logger.warning("stopped at step %d of %d on request", self.step, steps)
+            self.checkpoint.save(progress, force=True, write=writes)  # nothing to do if this step saved
+            logger.warning("stopped at step %d of %d on request", step, steps)
         return stop_signal
