@@ -24,7 +24,7 @@ from tests.test_first_hour import COMMON, REPO, assert_one_line_error, bad_input
 from titan_simple.config import load_job_config
 from titan_simple.errors import ConfigError
 from titan_simple.trainer.metrics import AVG_LOSS, LR, VALIDATION_LOSS, MetricsLogger
-from titan_simple.trainer.wandb_run import RUN_ID_FILE, WandbOptions, WandbRun
+from titan_simple.trainer.wandb_run import RUN_ID_FILE, WandbOptions, WandbRun, wandb_options
 
 WANDB_VARIABLES = ("WANDB_DIR", "WANDB_RUN_ID", "WANDB_PROJECT", "WANDB_ENTITY", "WANDB_NAME", "WANDB_SILENT",
                    "WANDB_RESUME", "WANDB_MODE")
@@ -219,7 +219,12 @@ def test_run_id_names_and_folder_reach_wandb_init(monkeypatch, tmp_path):
     from_env = start(11)
     assert (from_env["id"], from_env["project"], from_env["dir"]) == ("fromenv1", "envproject", None)
     keys = start(1, project="mine", entity="team", run_name="trial")  # a key set in the config wins over the env
-    assert (keys["project"], keys["entity"], keys["name"]) == ("mine", "team", "trial")
+    assert (keys["project"], keys["entity"], keys["name"], keys["group"]) == ("mine", "team", "trial", None)
+    # fault tolerance: each replica group's rank 0 logs a run of its own, grouped under the job
+    options = wandb_options(load_job_config(["--fault_tolerance.enable", "--fault_tolerance.replica_id", "1",
+                                             "--fault_tolerance.group_size", "2", "--job.dump_folder", "/x/job7"]))
+    assert (options.run_name, options.group) == ("job7 replica 1", "job7")
+    assert (start(1, run_name=options.run_name, group=options.group)["group"]) == "job7"
 
 
 def test_a_wandb_start_that_fails_is_one_line_and_writes_no_file(monkeypatch, tmp_path):

@@ -440,11 +440,9 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(step, values)
 
-    def close(self, failed: bool | None = None) -> None:
-        """Close what :meth:`log` opened. ``failed`` marks the W&B run failed; None: whether an exception is
-        propagating through the caller (the trainer closes in a ``finally``)."""
-        if failed is None:
-            failed = sys.exc_info()[0] is not None
+    def close(self, failed: bool = False) -> None:
+        """Close what :meth:`log` opened; ``failed`` marks the W&B run failed (the trainer says whether its loop
+        ended on an exception)."""
         if self._wandb is not None:
             self._wandb.close(failed)
         if self._tb_writer is not None:

@@ -274,7 +274,7 @@ class Trainer:
         self.memory.reset_peak()
         self.profiler.start(first_step=self.global_step)
         self.run_status.write("running", self.global_step)
-        stop_signal = None
+        stop_signal, failed = None, False
         try:
             while self.global_step < steps:
                 data_iter = self._before_step(data_iter)
@@ -298,13 +298,14 @@ class Trainer:
                     break
             self.checkpoint.close()  # a background save still running
         except BaseException as error:
+            failed = True
             self.run_status.write_failure(self.global_step, error)
             raise
         finally:
             for s, handler in previous_handlers.items():
                 signal.signal(s, handler)
             self.profiler.stop()
-            self.metrics.close()
+            self.metrics.close(failed=failed)
             for feature in self.loop_features:
                 feature.shutdown()
         self._write_end_status(stop_signal)

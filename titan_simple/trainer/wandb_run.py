@@ -38,13 +38,20 @@ class WandbOptions:
     project: str = ""
     entity: str = ""
     run_name: str = ""
+    group: str = ""  # fault tolerance: the job's replica groups log one W&B run each, grouped under this name
     config: dict[str, Any] = field(default_factory=dict)  # the W&B run's config: the whole job config
 
 
 def wandb_options(config: JobConfig) -> WandbOptions:
-    metrics = config.metrics
-    return WandbOptions(project=metrics.wandb_project, entity=metrics.wandb_entity, run_name=metrics.wandb_run_name,
-                        config=config.to_dict())
+    """The W&B settings of a job; under fault tolerance each replica group is a run of its own (each group's rank
+    0 logs what its group sees), named after its replica id and grouped under the job's name."""
+    metrics, ft = config.metrics, config.fault_tolerance
+    if not ft.enable:
+        return WandbOptions(project=metrics.wandb_project, entity=metrics.wandb_entity,
+                            run_name=metrics.wandb_run_name, config=config.to_dict())
+    job = metrics.wandb_run_name or Path(config.job.dump_folder).name
+    return WandbOptions(project=metrics.wandb_project, entity=metrics.wandb_entity,
+                        run_name=f"{job} replica {ft.replica_id}", group=job, config=config.to_dict())
 
 
 def check_installed() -> None:
@@ -92,7 +99,7 @@ class WandbRun:
             self.run = self._wandb.init(
                 id=self._run_id(continuing=first_step > 1), resume="allow",
                 project=options.project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
-                entity=options.entity or None, name=options.run_name or None,
+                entity=options.entity or None, name=options.run_name or None, group=options.group or None,
                 dir=None if os.environ.get("WANDB_DIR") else self.dump_folder, settings=self._settings,
             )
         except self._wandb.errors.Error as error:  # no login, no network, a bad entity: one line, not a traceback
