@@ -4,7 +4,7 @@ Also runs as plain ``python train.py ...`` (one process). ``--help`` lists every
 ``python train.py --config llama3_70b.toml --dry_run --dry_run.world_size 256`` plans a cluster run instead
 (per-rank memory, collectives, predicted tokens/s; see titan_simple/dry_run/run.py).
 ``python train.py --config ... --compile.precompile_world_size 8`` compiles an 8-rank job's graphs ahead into
-``[compile] cache_dir`` (titan_simple/dry_run/precompile.py).
+``[compile] cache_dir`` (titan_simple/trainer/precompile.py).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
             run_dry_run(config)
             return 0
         if config.compile.precompile_world_size:  # compile a job's graphs ahead, from this one process
-            from titan_simple.dry_run.precompile import precompile
+            from titan_simple.trainer.precompile import precompile
 
             precompile(config)
             return 0

@@ -294,7 +294,7 @@ def injected_failures(value: str | None) -> dict[str, str]:
 
 @dataclass
 class Layout(Run):
-    """One layout built as the trainer builds it (``train/assemble.build_run``), and the steps it has trained."""
+    """One layout built as the trainer builds it (``core/assemble.build_run``), and the steps it has trained."""
 
     steps_done: int = 0
 

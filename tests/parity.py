@@ -77,7 +77,7 @@ _MESHES: dict[tuple, DeviceMesh | None] = {}
 
 
 def build_layout(config: JobConfig, world_size: int = 1) -> Run:
-    """The trainer's assembly (``train/assemble.build_run``) of ``config``, with no LR schedule."""
+    """The trainer's assembly (``core/assemble.build_run``) of ``config``, with no LR schedule."""
     plan = resolve_plan(config, world_size, DEVICE.type)
     dims = plan.dims
     # One world mesh per layout and process, as in the trainer: DTensor may hand a parameter an equal mesh

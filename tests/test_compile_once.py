@@ -1,4 +1,4 @@
-"""Compile once per job (compile/once.py, dry_run/precompile.py): one rank compiles each graph and the others load
+"""Compile once per job (compile/once.py, trainer/precompile.py): one rank compiles each graph and the others load
 it, bitwise the same as every rank compiling; a job precompiled from one process compiles nothing; a stale
 cache says why it compiles again; a corrupt cache entry is compiled again, never a crash; bad input is one line;
 an eager process never imports Inductor's compiler."""

@@ -96,7 +96,7 @@ def test_private_apis_of_the_dry_run_exist():
 
     assert callable(ShardingPropagator._propagate_tensor_meta_non_cached)
 
-    from titan_simple.dry_run.fake_pg import init_fake_process_group
+    from titan_simple.parallel.fake_process_group import init_fake_process_group
 
     init_fake_process_group(rank=5, world_size=512)
     try:
@@ -212,7 +212,7 @@ def test_collective_counts_match_a_real_two_process_run(runs):
     """The fake-rank trace issues exactly the collectives a real 2-process gloo step issues. In fp32: without
     data parallel a bf16 step runs under autocast (the trainer's, which the measurement uses too), and autocast
     does nothing to the trace's meta tensors."""
-    from titan_simple.dry_run.cpu_check import measure
+    from titan_simple.dry_run.cpu_measurement import measure
 
     measured = measure(2, list(TP2_CPU), steps=1, port=29000 + os.getpid() % 1000)
     proc, report = runs["debug_tp2_cpu"].result()

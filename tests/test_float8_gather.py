@@ -172,7 +172,7 @@ def _layouts(rank: int, world_size: int, extra: tuple[str, ...]) -> dict:
 ], ids=["fully_shard_uneven", "hybrid_shard", "pp2_dp2_once_per_step"])
 def test_float8_gather_is_bitwise_on_other_layouts(world, layout):
     """Uneven shards (padded on the wire), hybrid_shard (the gradient all-reduced over replicas first, in DTensor's
-    order) and pipeline stages gathering once per step (``step_gather.py``'s float8 buckets): gathering in float8
+    order) and pipeline stages gathering once per step (``fsdp_gather.py``'s float8 buckets): gathering in float8
     changes no bit there either."""
     for result in run_on_ranks(_layouts, world, args=(layout,)):
         assert result[True]["uint8_gathers"] > 0 and result[False]["uint8_gathers"] == 0

@@ -21,10 +21,10 @@ from tests.parity import Recipe
 from titan_simple.compile.regions import regions_of
 from titan_simple.core.assemble import build_run
 from titan_simple.core.plan import resolve_plan
-from titan_simple.dry_run.fake_pg import init_fake_process_group
 from titan_simple.models.attention import AttentionInputs, KVCache
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, Transformer
 from titan_simple.parallel.context_parallel import ContextParallelAttention
+from titan_simple.parallel.fake_process_group import init_fake_process_group
 
 RECIPE = Recipe(extra=("--model.n_layers=4",))
 DP2 = ("--parallelism.data_parallel_shard_degree=2",)

@@ -25,7 +25,7 @@ PLAN_FILE = REPO / "titan_simple" / "core" / "plan.py"
 # Every derived decision's function (in core/plan.py, the model's in models/from_config.py); resolve_plan is the
 # only caller outside tests.
 DECISIONS = (
-    "model_args_for", "plan_pipeline", "accumulation_steps", "choose_gather_mode", "choose_precision",
+    "model_args_for", "plan_pipeline", "accumulation_steps", "choose_fsdp_gather", "choose_precision",
     "cpu_has_native_bf16", "choose_compile_mode", "uses_loss_parallel", "choose_reshard_after_forward",
     "plan_validation", "choose_loss_chunks", "choose_async_tensor_parallel", "plan_attention",
 )
@@ -166,8 +166,9 @@ def test_the_assembly_is_written_once_and_everything_calls_it():
                 callers[_called_name(node)].add(str(path.relative_to(REPO)))
     assert {name: callers[name] for name in ASSEMBLY_STEPS} == {
         name: {str(ASSEMBLY_FILE.relative_to(REPO))} for name in ASSEMBLY_STEPS}
-    assert {"titan_simple/trainer/trainer.py", "titan_simple/dry_run/rank_step.py", "titan_simple/dry_run/cpu_check.py",
-            "tests/parity.py", "scripts/gpu_check.py", "scripts/benchmarks/measure_memory.py"} <= callers["build_run"]
+    assert {"titan_simple/trainer/trainer.py", "titan_simple/dry_run/rank_step.py",
+            "titan_simple/dry_run/cpu_measurement.py", "tests/parity.py", "scripts/gpu_check.py",
+            "scripts/benchmarks/measure_memory.py"} <= callers["build_run"]
 
 
 def test_no_function_over_60_lines():
@@ -240,7 +241,7 @@ def test_plan_of_the_default_job_says_what_runs_and_why():
 def test_plan_decides_compile_loss_and_gather_modes_together(world, overrides, expected):
     """(compile mode, loss parallel, reshard after forward, gather mode) of typical layouts."""
     run = resolve_plan(_config(*overrides), world, "cpu")
-    assert (run.compile.mode, run.loss.parallel, run.parallel.reshard_after_forward, run.gather_mode) == expected
+    assert (run.compile.mode, run.loss.parallel, run.parallel.reshard_after_forward, run.fsdp_gather) == expected
     assert run.loss.compiled_with_model == (expected[0] == "whole_with_loss")
     assert run.without_compile().compile.mode == "off" and run.without_compile().loss == run.loss
 

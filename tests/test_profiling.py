@@ -21,7 +21,7 @@ from tests.distributed_utils import run_on_ranks
 from titan_simple.config import Profiling, load_job_config
 from titan_simple.core.plan import resolve_plan
 from titan_simple.errors import ConfigError
-from titan_simple.trainer import profiling
+from titan_simple.trainer import torch_private
 from titan_simple.trainer.profiling import Profiler
 from titan_simple.trainer.trainer import Trainer
 
@@ -38,10 +38,10 @@ def read_trace(path: Path) -> list[dict]:
 
 
 def test_the_private_cuda_memory_functions_we_wrap_still_exist():
-    """profiling.py calls these private functions with these arguments; a torch upgrade that renames them or
+    """trainer/torch_private.py calls these private functions with these arguments; a torch upgrade that renames them or
     their parameters must fail here, not in the middle of a GPU run."""
     record = inspect.signature(torch.cuda.memory._record_memory_history)
-    record.bind(enabled="all", max_entries=profiling.MAX_MEMORY_EVENTS)
+    record.bind(enabled="all", max_entries=torch_private.MAX_MEMORY_EVENTS)
     record.bind(enabled=None)
     inspect.signature(torch.cuda.memory._dump_snapshot).bind("snapshot.pickle")
     assert hasattr(torch, "OutOfMemoryError") and issubclass(torch.OutOfMemoryError, RuntimeError)
@@ -69,8 +69,8 @@ class FakeCudaMemory:
 
 def test_cuda_memory_snapshots_every_profile_freq_steps_and_on_oom(tmp_path, monkeypatch):
     fake = FakeCudaMemory()
-    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", fake.record)
-    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", fake.dump)
+    monkeypatch.setattr(torch_private, "_record_memory_history", fake.record)  # the guarded module's names
+    monkeypatch.setattr(torch_private, "_dump_snapshot", fake.dump)
     config = Profiling(enable_memory_snapshot=True, profile_freq=2, profiler_warmup=0, profiler_active=1)
     profiler = Profiler(config, str(tmp_path), rank=3, device=torch.device("cuda", 3))
     profiler.start()

@@ -42,7 +42,7 @@ TWO_RANK_CONFIGS = {
     "fully_shard2/compiled": _layout(2, 1, "--compile.enable"),
     "fully_shard2/eager": _layout(2),
     "fully_shard2_fsdp2/eager": _layout(2, 1, "--parallelism.fsdp_implementation=fsdp2"),
-    # Two accumulation steps of 1 row per rank, the weights gathered once for both (parallel/step_gather.py).
+    # Two accumulation steps of 1 row per rank, the weights gathered once for both (parallel/fsdp_gather.py).
     "fully_shard2_once_per_step/eager": _layout(2, 1, "--training.local_batch_size=1",
                                                 "--parallelism.fsdp_gather=once_per_step"),
     "tp2/eager": _layout(tp=2),

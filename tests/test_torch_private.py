@@ -1,5 +1,6 @@
-"""The private torch APIs we use still exist: the parallelisms' (``titan_simple/parallel/torch_private.py``) and
-the compiler's (``titan_simple/compile/inductor_private.py``).
+"""The private torch APIs we use still exist, and no module but the guarded ones imports one: the parallelisms'
+(``titan_simple/parallel/torch_private.py``), the compiler's (``titan_simple/compile/inductor_private.py``), the dry
+run's (``titan_simple/dry_run/torch_private.py``) and the trainer's (``titan_simple/trainer/torch_private.py``).
 
 A torch upgrade that renames or removes one should fail here, with the API's name and what it is for. Without
 this test it would fail in the middle of a compiled or multi-process run. If it fails, fix the module that
@@ -8,6 +9,7 @@ names the API (the only one that uses it) rather than skipping the test.
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import re
@@ -21,7 +23,25 @@ import torch
 
 from tests.distributed_utils import single_rank_process_group
 
-PRIVATE_MODULES = ("titan_simple.parallel.torch_private", "titan_simple.compile.inductor_private")
+PRIVATE_MODULES = ("titan_simple.parallel.torch_private", "titan_simple.compile.inductor_private",
+                   "titan_simple.dry_run.torch_private", "titan_simple.trainer.torch_private")
+REPO = Path(__file__).resolve().parent.parent
+# Each guarded module and the private torch modules it imports (checked with torch 2.13): a new private import is
+# added here, with its entries in the module's PRIVATE_APIS, or the test below fails.
+PRIVATE_IMPORTS = {
+    "titan_simple/parallel/torch_private.py": {
+        "torch._functorch.config", "torch.distributed._functional_collectives", "torch.distributed._symmetric_memory",
+        "torch.utils._python_dispatch", "torch.testing._internal.distributed.fake_pg"},
+    "titan_simple/compile/inductor_private.py": {
+        "torch._dynamo.config", "torch._dynamo.utils", "torch._functorch._aot_autograd", "torch._functorch.config",
+        "torch._functorch.partitioners", "torch._inductor", "torch._inductor.compile_fx", "torch._inductor.config",
+        "torch._inductor.config_comms", "torch._inductor.fx_passes", "torch._inductor.runtime", "torch._ops",
+        "torch._prims.rng_prims", "torch.utils._pytree", "torch.utils._runtime_estimation"},
+    "titan_simple/dry_run/torch_private.py": {
+        "torch._subclasses", "torch.distributed.tensor._sharding_prop", "torch.utils._pytree"},
+    "titan_simple/trainer/torch_private.py": {"torch.cuda.memory._record_memory_history",
+                                              "torch.cuda.memory._dump_snapshot"},
+}
 
 
 def _import(name: str) -> types.ModuleType:
@@ -57,7 +77,47 @@ def test_every_private_api_exists():
         for owner, attr, why in _all_private_apis()
         if not hasattr(owner, attr)
     ]
+    for module, attr, why in _parallel_private().LAZY_PRIVATE_APIS:
+        if not hasattr(importlib.import_module(module), attr):
+            missing.append(f"{module}.{attr} (needed by {why})")
     assert not missing, f"torch {torch.__version__} lacks private APIs titan_simple uses:\n  " + "\n  ".join(missing)
+
+
+def _is_private(dotted: str) -> bool:
+    """A name inside torch with an underscored part (``torch.ops.<namespace>`` is the op registry: not a module)."""
+    parts = dotted.split(".")
+    return (parts[0] == "torch" and parts[1:2] != ["ops"]
+            and any(p.startswith("_") and not p.startswith("__") for p in parts[1:]))
+
+
+def _private_torch_names(path: Path, references: bool) -> set[str]:
+    """The private torch modules (and names) ``path`` imports; with ``references``, also the private
+    ``torch.<...>._x`` names its code reaches."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if _is_private(a.name)}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch"):
+            found |= {node.module} if _is_private(node.module) else {
+                f"{node.module}.{a.name}" for a in node.names if _is_private(f"{node.module}.{a.name}")}
+        elif references and isinstance(node, ast.Attribute):
+            chain, value = [node.attr], node.value
+            while isinstance(value, ast.Attribute):
+                chain.append(value.attr)
+                value = value.value
+            if isinstance(value, ast.Name) and value.id == "torch" and _is_private(".".join(["torch", *chain[::-1]])):
+                found.add(".".join(["torch", *chain[::-1]]))
+    return found
+
+
+def test_private_torch_apis_are_imported_by_the_guarded_modules_only():
+    """No module but a guarded one imports a private torch module or reaches a ``torch._x`` name, and each guarded
+    module imports exactly the private modules listed above (its lazy imports included)."""
+    sources = sorted((REPO / "titan_simple").rglob("*.py"))
+    outside = {str(p.relative_to(REPO)): names for p in sources if str(p.relative_to(REPO)) not in PRIVATE_IMPORTS
+               and (names := _private_torch_names(p, references=True))}
+    assert outside == {}, "import these through the package layer's guarded module (a torch_private.py)"
+    assert {path: _private_torch_names(REPO / path, references=False) for path in PRIVATE_IMPORTS} == PRIVATE_IMPORTS
 
 
 def test_the_list_covers_the_new_entries():

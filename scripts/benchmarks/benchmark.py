@@ -284,7 +284,7 @@ def count_collectives(op_names: Iterable[str]) -> dict[str, int]:
 
 def matmul_flops_per_second(n: int = 1024, reps: int = 5) -> float:
     """Best-of-``reps`` rate of an ``n x n`` fp32 matmul on one thread."""
-    from titan_simple.dry_run.probes import matmul_flops, matmul_seconds, torch_threads
+    from titan_simple.parallel.speed_probes import matmul_flops, matmul_seconds, torch_threads
 
     with torch_threads(1):
         best = matmul_seconds(n, reps, least=True)

@@ -162,7 +162,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="compile_once_") as root:
         for layout in args.layouts.split(","):
             for mode in MODES:
-                if mode == "precompiled" and "pp" in layout:  # not precompiled (dry_run/precompile.py says why)
+                if mode == "precompiled" and "pp" in layout:  # not precompiled (trainer/precompile.py says why)
                     continue
                 results.append(run_job(layout, mode, Path(root), args.steps))
                 print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)

@@ -57,7 +57,7 @@ def main() -> None:
     # Pinned (not the config's current batch), so the doc's numbers stay reproducible.
     argv = ["--config", "llama3_debug.toml", "--training.local_batch_size", "4", "--training.seq_len", "128", *rest]
 
-    from titan_simple.dry_run.cpu_check import measure
+    from titan_simple.dry_run.cpu_measurement import measure
 
     rows = []
     for n in args.world_sizes:

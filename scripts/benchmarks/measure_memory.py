@@ -52,7 +52,7 @@ from titan_simple.config import load_job_config
 from titan_simple.core.assemble import build_run
 from titan_simple.core.plan import resolve_plan
 from titan_simple.core.step import StepHooks
-from titan_simple.dry_run.probes import LiveStorageBytes
+from titan_simple.dry_run.live_storage import LiveStorageBytes
 from titan_simple.models.llama3 import build_model
 
 DOC = harness.DOCS / "simple_fsdp_memory.md"

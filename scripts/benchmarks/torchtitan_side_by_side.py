@@ -26,8 +26,9 @@ from pathlib import Path
 
 import harness
 
-# torch minor -> the TorchTitan release cut against it. Each release pins the torch nightly of its day (their
-# docs/release.md): 0.2.0 (2025-10-17) -> 2.10.0.dev, 0.2.1 (2025-12-26) and 0.2.2 (2026-02-20) -> 2.11.0.dev,
+# torch minor -> the TorchTitan release cut against it. Each release pins the torch nightly of its day
+# (TorchTitan's docs/release.md): 0.2.0 (2025-10-17) -> 2.10.0.dev, 0.2.1 (2025-12-26) and 0.2.2 (2026-02-20) ->
+# 2.11.0.dev,
 # 0.3.0 (2026-09) -> 2.14 (its release-candidate check installs torch 2.14.0; on 2.13 it needs the set_timeout
 # shim of torchtitan_launch.py). No release was cut against 2.12: 0.2.2 is the newest one older than it.
 RELEASES = {(2, 11): "0.2.2", (2, 12): "0.2.2"}

@@ -22,7 +22,7 @@ from torch import fx
 
 from titan_simple.compile.comm_plan import COLLECTIVE_KINDS, collective_bytes, meta_value
 from titan_simple.compile.inductor_private import is_compute_node, runtime_estimation, tree_map
-from titan_simple.parallel import timing
+from titan_simple.parallel import speed_probes as timing
 
 
 class CpuRuntimeEstimator:
@@ -40,7 +40,7 @@ class CpuRuntimeEstimator:
         """Time a few all-gathers and a matmul. Every rank then takes the slowest rank's figures (all_reduce
         MAX), so that all ranks make the same scheduling decisions.
 
-        The method differs from ``dry_run.cpu_check.measure_rates`` on purpose: this runs in every compiling
+        The method differs from ``dry_run.cpu_measurement.measure_rates`` on purpose: this runs in every compiling
         process, so it stays cheap (the mean of a few back-to-back calls, no barriers between them), and the
         scheduler needs only a rough fit; ``measure_rates`` is the check of the dry run against reality and
         pays for barriers and medians of single calls."""

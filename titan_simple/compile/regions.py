@@ -192,7 +192,7 @@ def _holding(modules: Sequence[nn.Module], tensors: Sequence[torch.Tensor]) -> I
     the call."""
     values = iter(tensors)
     for module in modules:
-        assert module._held_unsharded is None, "a module is held twice (regional hand-off and step_gather?)"
+        assert module._held_unsharded is None, "a module is held twice (regional hand-off and fsdp_gather?)"
         module._held_unsharded = {name: (next(values), next(values)) if spec.float8 is not None else next(values)
                                   for name, spec in module._gather_specs.items()}
     assert next(values, None) is None, "the hand-off gathered more weights than the next region reads"

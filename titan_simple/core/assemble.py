@@ -5,7 +5,7 @@
 
 The trainer, the dry run's tracer, the search workers, the parity tests' reference, ``scripts/gpu_check.py`` and
 ``scripts/benchmarks/measure_memory.py`` all call it, so what they check or measure is what trains. It also installs the
-step's features (``core/step.StepFeature``): float8's per-step weight refresh when the plan gathers float8
+step's features (``core/step_feature.StepFeature``): float8's per-step weight refresh when the plan gathers float8
 weights, and what the caller adds (fault tolerance's cross-group average), so the step's body names no feature.
 A compiled multi-rank run starts its compile-once session here, before anything compiles (``compile/once.py``).
 """

@@ -3,7 +3,7 @@
     plan = resolve_plan(config, world_size, device.type)   # core/plan.py: every decision, no communication
     mesh = plan.dims.build_mesh(device.type)
     parts = build_model_parts(plan, mesh, device)           # parts.modules: [model] or this rank's stages
-                                                            # (train/assemble.build_run calls it)
+                                                            # (core/assemble.build_run calls it)
 
 The model is built on the meta device and goes through the recipe (``parallelize.parallelize_llama``: tensor
 parallel -> activation checkpointing -> SimpleFSDP / FSDP2 -> compile) as ``plan.parallel`` says (a
@@ -28,10 +28,10 @@ from titan_simple.core.plan import RunPlan
 from titan_simple.models.float8 import convert_to_float8
 from titan_simple.models.llama3 import ModelArgs, Transformer, count_parameters, flops_per_token
 from titan_simple.parallel.context_parallel import ContextParallel, context_parallel_mesh
+from titan_simple.parallel.fsdp_gather import StepGather
 from titan_simple.parallel.parallelize import parallelize_llama
 from titan_simple.parallel.pipeline import PipelineRun, build_pipeline
 from titan_simple.parallel.sharded_init import materialize_and_init
-from titan_simple.parallel.step_gather import StepGather
 
 if TYPE_CHECKING:  # an eager run never imports the compiler
     from titan_simple.compile.comm_plan import CommPlanRecorder
@@ -50,7 +50,7 @@ class ModelParts:
     flops_per_token: float  # model FLOPs of training (6 N + attention), for TFLOP/s and MFU
     # Set when SimpleFSDP gathers once per step ([parallelism] fsdp_gather): the step calls gather() before its
     # first microbatch and reduce() after its last.
-    step_gather: StepGather | None = None
+    once_per_step_gather: StepGather | None = None
     # The model and its loss as one module, compiled as one graph when the plan says so
     # (``plan.loss.compiled_with_model``); the step runs it instead of the model.
     model_with_loss: ModelWithLoss | None = None
@@ -99,12 +99,12 @@ def build_model_parts(plan: RunPlan, mesh: DeviceMesh | None, device: torch.devi
         modules = [model]
     model_with_loss, loss_recorder = _model_with_loss(plan, modules)
     # Compiled forwards read the held weights as graph inputs: they must be gathered before the forward starts.
-    step_gather = (StepGather(modules, lazy=not plan.compile.enabled) if plan.gather_mode == "once_per_step"
+    once_per_step_gather = (StepGather(modules, lazy=not plan.compile.enabled) if plan.fsdp_gather == "once_per_step"
                    else None)
     return ModelParts(
         model_args=plan.model_args, modules=modules, pipeline=pipeline,
         device=device if materialize else torch.device("meta"), num_params=num_params, flops_per_token=flops,
-        step_gather=step_gather, model_with_loss=model_with_loss,
+        once_per_step_gather=once_per_step_gather, model_with_loss=model_with_loss,
         context_parallel=ContextParallel(context_parallel_mesh(mesh)) if plan.dims.cp > 1 else None,
         comm_plan_recorders=_distinct([*recorders, loss_recorder]),
     )

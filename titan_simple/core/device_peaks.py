@@ -1,5 +1,5 @@
-"""Vendor peak FLOP/s of the GPUs we know: what MFU is taken against (the trainer's metrics) and what the dry
-run plans with (``dry_run/hardware.py``)."""
+"""Vendor peak FLOP/s of the GPUs we know, bf16 and float8: what MFU is taken against (the trainer's metrics) and
+what the dry run plans with (``dry_run/hardware.py``). Every GPU peak the project uses is here."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ PEAK_BF16_TFLOPS: dict[str, float] = {
     "L40S": 362.0,
     "B200": 2250.0,
 }
+
+# Dense float8 (e4m3) tensor-core peak, TFLOP/s, where the GPU has float8 matmuls (twice bf16's on Hopper).
+PEAK_FLOAT8_TFLOPS: dict[str, float] = {"H100 SXM": 1979.0, "H200": 1979.0, "B200": 4500.0}
 
 # (substrings that must all occur in torch.cuda.get_device_name(), table key), most specific first:
 # "NVIDIA H100 PCIe" and "NVIDIA H100 NVL" must not fall through to the SXM entry ("NVIDIA H100 80GB HBM3").

@@ -27,7 +27,7 @@ import torch
 from titan_simple.compile.compile_plan import CompilePlan
 from titan_simple.config import JobConfig, resolve_project_path
 from titan_simple.core.batching import DataOrder, accumulation_steps
-from titan_simple.core.compile_key import compile_cache_folder, compile_fingerprint
+from titan_simple.core.compile_fingerprint import compile_cache_folder, compile_fingerprint
 from titan_simple.core.loss import LossPlan
 from titan_simple.data.datasets import data_cache_folder
 from titan_simple.data.tokenizer import Tokenizer
@@ -68,7 +68,7 @@ class RunPlan:
     pipeline: PipelinePlan | None
     accumulation_steps: int  # microbatches of local_batch_size per step on each dp rank
     precision: Precision
-    gather_mode: str  # per_microbatch | once_per_step (SimpleFSDP under pipeline parallel / accumulation)
+    fsdp_gather: str  # per_microbatch | once_per_step (SimpleFSDP under pipeline parallel / accumulation)
     parallel: ParallelPlan  # what the recipe applies (tensor parallel, AC, data parallel, compile)
     loss: LossPlan
     data: DataOrder
@@ -110,10 +110,10 @@ class RunPlan:
         tied = ", tied embeddings" if args.tie_word_embeddings else ""
         lines = [f"plan: llama3 {model} ({args.n_layers} layers, dim {args.dim}, vocab {args.vocab_size}{rope}{tied}) "
                  f"| world {dims.world_size} on {self.device_type}: {dims.describe}"]
-        if dims.fsdp_enabled:
+        if dims.wraps_data_parallel:
             wrapper = "SimpleFSDP" if parallel.fsdp_implementation == "simple" else "FSDP2"
             reshard = "reshard after forward" if parallel.reshard_after_forward else "keep gathered weights"
-            gather = f" | gather {self.gather_mode}{why('gather')}" if parallel.fsdp_implementation == "simple" else ""
+            gather = f" | gather {self.fsdp_gather}{why('gather')}" if parallel.fsdp_implementation == "simple" else ""
             mode = dims.data_parallel_mode + (" over dp_shard x cp" if dims.cp > 1 else "")
             lines.append(f"  data parallel: {wrapper} {mode}, {reshard}{why('reshard')}{gather}")
         precision = self.precision
@@ -183,7 +183,7 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     data = _data_order(config, dims)
     accumulation = accumulation_steps(config.training.global_batch_size, config.training.local_batch_size,
                                       data.ranks)
-    gather = choose_gather_mode(config, dims, reasons)
+    gather = choose_fsdp_gather(config, dims, reasons)
     float8 = plan_float8_parallel(float8, config.float8.all_gather, dims, config.parallelism.fsdp_implementation)
     precision = choose_precision(config, dims, device_type, reasons)
     compile_mode = choose_compile_mode(config, dims, reasons)
@@ -210,7 +210,7 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
     data = dataclasses.replace(data, global_rows=config.training.local_batch_size * data.ranks * accumulation)
     return RunPlan(
         config=config, dims=dims, device_type=device_type, model_args=model_args, pipeline=pipeline,
-        accumulation_steps=accumulation, precision=precision, gather_mode=gather, parallel=parallel, loss=loss,
+        accumulation_steps=accumulation, precision=precision, fsdp_gather=gather, parallel=parallel, loss=loss,
         data=data, validation=plan_validation(config, dims, pipeline), float8=float8, attention=attention,
         reasons=reasons,
     )
@@ -256,7 +256,8 @@ def _compile_plan(config: JobConfig, dims: ParallelDims, compile_mode: str, gath
         # them per microbatch (gathering once per step holds every weight already), the regions are one model
         # (a pipeline stage's last region has no next one on its rank) and the collectives are reordered
         # (without, the hand-off would hold weights and hide nothing).
-        region_handoff=(compile_mode == "regional" and dims.fsdp_enabled and dims.pp == 1 and gather == "per_microbatch"
+        region_handoff=(compile_mode == "regional" and dims.wraps_data_parallel and dims.pp == 1
+                        and gather == "per_microbatch"
                         and (compile_config.reorder or compile_config.bucketing == "auto")),
         async_tensor_parallel=async_tp,
         cache_dir=compile_cache_folder(config),
@@ -312,20 +313,20 @@ def choose_precision(config: JobConfig, dims: ParallelDims, device_type: str,
             reasons["dtype"] = why
     else:
         param_dtype = DTYPES[name]
-    autocast = param_dtype if not dims.fsdp_enabled and param_dtype != torch.float32 else None
+    autocast = param_dtype if not dims.wraps_data_parallel and param_dtype != torch.float32 else None
     return Precision(param_dtype=param_dtype, reduce_dtype=DTYPES[training.mixed_precision_reduce],
                      autocast_dtype=autocast)
 
 
-def choose_gather_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str, str] | None = None) -> str:
-    """``per_microbatch`` or ``once_per_step`` (``[parallelism] fsdp_gather``, ``parallel/step_gather.py``).
+def choose_fsdp_gather(config: JobConfig, dims: ParallelDims, reasons: dict[str, str] | None = None) -> str:
+    """``per_microbatch`` or ``once_per_step`` (``[parallelism] fsdp_gather``, ``parallel/fsdp_gather.py``).
     ``auto``: once per step under pipeline parallel with sharded weights (a stage's weights are a fraction of
     the model: far fewer all-gathers, docs/dry_run.md); per microbatch otherwise,
     where holding the unsharded model would give up what sharding saves. Raises the ConfigError of a layout
     that cannot gather once per step."""
     parallelism = config.parallelism
     choice = parallelism.fsdp_gather
-    if not dims.fsdp_enabled or parallelism.fsdp_implementation != "simple":
+    if not dims.wraps_data_parallel or parallelism.fsdp_implementation != "simple":
         if choice == "once_per_step":
             raise ConfigError(
                 "[parallelism] fsdp_gather = 'once_per_step' needs SimpleFSDP with data parallel "
@@ -354,10 +355,10 @@ def choose_gather_mode(config: JobConfig, dims: ParallelDims, reasons: dict[str,
     return mode
 
 
-def choose_reshard_after_forward(config: JobConfig, dims: ParallelDims, gather_mode: str,
+def choose_reshard_after_forward(config: JobConfig, dims: ParallelDims, fsdp_gather: str,
                                  reasons: dict[str, str] | None = None) -> bool:
     """``fsdp_reshard_after_forward``; ``default``: reshard except under pipeline parallel."""
-    if gather_mode == "once_per_step":
+    if fsdp_gather == "once_per_step":
         if reasons is not None:
             reasons["reshard"] = "held for the whole step"
         return False  # the weights are held for the whole step: there is nothing to free after forward

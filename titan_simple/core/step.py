@@ -110,7 +110,7 @@ class TrainStep:
         loss_sum = torch.zeros((), device=self.device)
         for feature in self.features:
             feature.before_forward()
-        gather = self.parts.step_gather
+        gather = self.parts.once_per_step_gather
         if gather is not None:  # once per step: all-gather the weights now, reduce-scatter after the last batch
             self.hooks.phase("gather")
             pipeline = self.plan.pipeline
@@ -228,6 +228,6 @@ def build_train_step(parts: ModelParts, plan: RunPlan, optimizer: torch.optim.Op
                      lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, *,
                      features: Sequence[StepFeature] = (), keep_grad_buffers: bool = False) -> TrainStep:
     """The step for ``parts`` as ``plan`` says: a ``PipelineStep`` for pipeline stages, else a ``LocalStep``.
-    Call ``train/assemble.build_run`` instead: it builds the parts and installs the plan's features."""
+    Call ``core/assemble.build_run`` instead: it builds the parts and installs the plan's features."""
     cls = PipelineStep if parts.pipeline is not None else LocalStep
     return cls(parts, plan, optimizer, lr_scheduler, features=features, keep_grad_buffers=keep_grad_buffers)

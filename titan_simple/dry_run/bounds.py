@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from titan_simple.dry_run.hardware import DeviceSpec
 from titan_simple.dry_run.layouts import Layout
 from titan_simple.dry_run.mesh_dims import mesh_dims
-from titan_simple.dry_run.prediction import collective_seconds, count_parameters_of, in_flight_chunks
-from titan_simple.models.llama3 import ModelArgs
+from titan_simple.dry_run.prediction import collective_seconds, in_flight_chunks
+from titan_simple.models.llama3 import ModelArgs, count_parameters
 from titan_simple.parallel.dims import ParallelDims
 from titan_simple.parallel.pipeline import V_SCHEDULES, PipelinePlan, _split_evenly
 
@@ -39,8 +39,8 @@ class ModelSizes:
 
     @classmethod
     def of(cls, args: ModelArgs) -> ModelSizes:
-        one = count_parameters_of(dataclasses.replace(args, n_layers=1))
-        two = count_parameters_of(dataclasses.replace(args, n_layers=2))
+        one = count_parameters(dataclasses.replace(args, n_layers=1))
+        two = count_parameters(dataclasses.replace(args, n_layers=2))
         embedding = args.vocab_size * args.dim
         return cls(block=two - one, embedding=embedding, head=one - (two - one) - embedding)
 

@@ -26,8 +26,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from titan_simple.core.device_peaks import PEAK_BF16_TFLOPS
-from titan_simple.dry_run.probes import copy_bytes, copy_seconds, matmul_flops, matmul_seconds, torch_threads
+from titan_simple.core.device_peaks import PEAK_BF16_TFLOPS, PEAK_FLOAT8_TFLOPS
+from titan_simple.parallel.speed_probes import copy_bytes, copy_seconds, matmul_flops, matmul_seconds, torch_threads
 
 if TYPE_CHECKING:
     from titan_simple.config import DryRun
@@ -76,10 +76,10 @@ DEVICES: dict[str, DeviceSpec] = {
     # H100 SXM5 80GB: 989 TFLOP/s bf16, 3.35 TB/s HBM3, NVLink 4 900 GB/s total = 450 GB/s per direction,
     # one 400 Gb/s NIC per GPU = 50 GB/s.
     "h100": DeviceSpec("H100 SXM 80GB", PEAK_BF16_TFLOPS["H100 SXM"] * 1e12, 3.35e12, 79.6 * GIB, 450e9, 50e9,
-                       float8_peak_flops=1979e12, **GPU_RUNTIME),
+                       float8_peak_flops=PEAK_FLOAT8_TFLOPS["H100 SXM"] * 1e12, **GPU_RUNTIME),
     # H200 SXM 141GB: the H100's compute with 4.8 TB/s HBM3e.
     "h200": DeviceSpec("H200 SXM 141GB", PEAK_BF16_TFLOPS["H200"] * 1e12, 4.8e12, 140.4 * GIB, 450e9, 50e9,
-                       float8_peak_flops=1979e12, **GPU_RUNTIME),
+                       float8_peak_flops=PEAK_FLOAT8_TFLOPS["H200"] * 1e12, **GPU_RUNTIME),
     # A100 SXM4 80GB: 312 TFLOP/s bf16, 2.04 TB/s HBM2e, NVLink 3 600 GB/s total, 200 Gb/s NIC per GPU.
     "a100": DeviceSpec("A100 SXM 80GB", PEAK_BF16_TFLOPS["A100"] * 1e12, 2.039e12, 80.0 * GIB, 300e9, 25e9,
                        matmul_efficiency=0.75, attention_efficiency=0.50, **GPU_RUNTIME),

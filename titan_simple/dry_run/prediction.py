@@ -129,7 +129,7 @@ def exposed_dp_floor(run: RunPlan, m: Measured, dp_comm_s: float) -> float:
 
 
 def suggestion(largest: str, run: RunPlan) -> str:
-    if run.gather_mode == "once_per_step" and largest != "activations":
+    if run.fsdp_gather == "once_per_step" and largest != "activations":
         return ("[parallelism] fsdp_gather = 'per_microbatch' (gathering once per step holds this rank's unsharded "
                 "weights and their gradients through the step), or shard the weights further")
     if largest in ("parameters", "gradients", "optimizer state"):
@@ -178,7 +178,7 @@ def async_tensor_parallel_exposed(comm_s: float, matmul_s: float, tp: int) -> fl
 
 
 def once_per_step_split(gathers: list[float], reduces: list[float], lazy: bool) -> tuple[float, float]:
-    """Seconds of SimpleFSDP's once-per-step gathers and reduces (``parallel/step_gather.py``) that no compute
+    """Seconds of SimpleFSDP's once-per-step gathers and reduces (``parallel/fsdp_gather.py``) that no compute
     hides. Each reduce-scatter starts when its bucket's last gradient is complete and runs while the earlier
     layers' backward does, so only the last one's is exposed: the first bucket in forward order, which the trace
     (it reduces after its microbatch, in forward order) lists first. All gathers start together; in an eager forward
@@ -403,13 +403,13 @@ def finish_report(run: RunPlan, pp_rank: int, rank: int, m: Measured, spec: Devi
     step_s = time["step"]
     roofline_tokens_per_gpu = run.global_tokens / world / step_s
     tokens_per_gpu = roofline_tokens_per_gpu * spec.achieved_fraction
-    model_flops = flops_per_token(args, count_parameters_of(args, exclude_embedding=True), training.seq_len)
+    model_flops = flops_per_token(args, count_parameters(args, exclude_embedding=True), training.seq_len)
     mfu = tokens_per_gpu * model_flops / spec.peak_flops
     return {
         "plan": run.describe(),
         "config": config.config_file,
         "model": config.model.flavor,
-        "parameters": count_parameters_of(args),
+        "parameters": count_parameters(args),
         "device": spec.name,
         "world_size": world,
         "rank": rank,
@@ -422,7 +422,7 @@ def finish_report(run: RunPlan, pp_rank: int, rank: int, m: Measured, spec: Devi
         "activation_checkpoint": run.parallel.ac_mode
         + (f" ({run.parallel.ac_option})" if run.parallel.ac_mode == "selective" else ""),
         "compiled": run.compile.enabled,
-        "fsdp_gather": run.gather_mode,
+        "fsdp_gather": run.fsdp_gather,
         "comm_overlapped": comm_overlapped(run),
         "async_tensor_parallel": ({"fused_collectives_per_pass": int(sum(m.fused_tp.values())),
                                    "fused": {k: int(v) for k, v in m.fused_tp.items()}}
@@ -445,11 +445,3 @@ def finish_report(run: RunPlan, pp_rank: int, rank: int, m: Measured, spec: Devi
 
 def local_stages(plan: PipelinePlan | None, pp_rank: int) -> list[int | None]:
     return [None] if plan is None else plan.stages_of_rank(pp_rank)
-
-
-def count_parameters_of(args, exclude_embedding: bool = False) -> int:
-    """Parameter count from the shapes alone (no model build)."""
-    from titan_simple.models.llama3 import Transformer
-
-    with torch.device("meta"):
-        return count_parameters(Transformer(args)) - (args.vocab_size * args.dim if exclude_embedding else 0)

@@ -17,9 +17,9 @@ from typing import Any
 
 from titan_simple.config import JobConfig
 from titan_simple.dry_run.extrapolation import measure_short, plan_report
-from titan_simple.dry_run.fake_pg import init_fake_process_group
 from titan_simple.dry_run.hardware import DeviceSpec
 from titan_simple.dry_run.layouts import apply_overrides, checked_plan
+from titan_simple.parallel.fake_process_group import init_fake_process_group
 
 _WORLD: dict[str, Any] = {}
 

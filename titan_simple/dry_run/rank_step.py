@@ -9,7 +9,7 @@ checkpointing -> SimpleFSDP (``parallelize_llama``). Then one microbatch's forwa
 backward per local stage (``core.step``), and the optimizer step, run on meta tensors under
 ``tracer.StepTracer``: nothing is allocated, but every op, every saved activation, every recomputation and every
 collective the real step issues is seen with this rank's shapes. When SimpleFSDP gathers once per step
-(``parallel/step_gather.py``) the trace gathers before the microbatch and reduces after it, as the step does:
+(``parallel/fsdp_gather.py``) the trace gathers before the microbatch and reduces after it, as the step does:
 those collectives are tagged with the phases "gather" / "reduce" (once per step) and the held weights and
 gradients are live through the traced forward and backward. torch.compile is not run (it would trace for
 minutes); its effect enters the time model only (fused elementwise kernels, overlap). Autocast (bf16 without
@@ -267,7 +267,7 @@ def trace_rank(run: RunPlan, mesh: DeviceMesh | None) -> RankTrace:
             tracer.set_phase("gather")
             for feature in train_step.features:
                 feature.before_forward()
-        gather = model_parts.step_gather  # once per step: the held weights are alive through every microbatch
+        gather = model_parts.once_per_step_gather  # once per step: the held weights are alive through every microbatch
         if gather is not None:
             tracer.set_phase("gather")
             gather.phase_scope = partial(_in_phase, tracer)  # its work inside the microbatch: once per step

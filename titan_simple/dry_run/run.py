@@ -26,11 +26,11 @@ import torch.distributed as dist
 from titan_simple.config import JobConfig
 from titan_simple.core.plan import resolve_plan
 from titan_simple.dry_run.extrapolation import plan_report
-from titan_simple.dry_run.fake_pg import init_fake_process_group
 from titan_simple.dry_run.hardware import DeviceSpec, planned_device
 from titan_simple.dry_run.printout import format_report, write_json
 from titan_simple.errors import ConfigError
 from titan_simple.parallel.dims import ParallelDims
+from titan_simple.parallel.fake_process_group import init_fake_process_group
 
 logger = logging.getLogger("titan_simple")
 

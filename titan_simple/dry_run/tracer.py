@@ -36,14 +36,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._sharding_prop import ShardingPropagator  # private: see ignoring_shape_propagation
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from titan_simple.compile.comm_plan import COLLECTIVE_KINDS
-from titan_simple.dry_run.probes import LiveStorageBytes
+from titan_simple.dry_run.live_storage import LiveStorageBytes
+from titan_simple.dry_run.torch_private import FakeTensor, ShardingPropagator, tree_leaves
 from titan_simple.models import llama3
 from titan_simple.parallel.activation_checkpoint import is_float8_scaling
 

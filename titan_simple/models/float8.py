@@ -103,7 +103,7 @@ def plan_float8_parallel(plan: Float8Plan | None, wanted: bool, dims, fsdp_imple
     if plan is None:
         return plan
     plan = dataclasses.replace(plan, tensor_parallel=dims.tp > 1 and plan.recipe == "tensorwise")
-    if not dims.fsdp_enabled or dims.data_parallel_mode == "replicate":
+    if not dims.wraps_data_parallel or dims.data_parallel_mode == "replicate":
         return plan  # no all-gathers to shrink
     why = ("[float8] all_gather = false" if not wanted else
            "rowwise scales each row, and its backward the columns: no one float8 copy to gather"

@@ -383,12 +383,16 @@ class Transformer(nn.Module):
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def count_parameters(model: nn.Module, exclude_embedding: bool = False) -> int:
-    """Number of parameters; works on meta models, and counts DTensor parameters at their global size.
+def count_parameters(model: nn.Module | ModelArgs, exclude_embedding: bool = False) -> int:
+    """Number of parameters; works on meta models, and counts DTensor parameters at their global size. A
+    ``ModelArgs`` is counted from its shapes alone (a model on the meta device, no storage).
 
     ``exclude_embedding`` leaves out the token embedding (a lookup, no FLOPs) but keeps the output
     projection, the convention of ``flops_per_token``; a tied one is counted once, as the output projection.
     """
+    if isinstance(model, ModelArgs):
+        with torch.device("meta"):
+            model = Transformer(model)
     total, seen = 0, set()
     for name, param in model.named_parameters(remove_duplicate=False):
         if (exclude_embedding and "tok_embeddings" in name.split(".")) or id(param) in seen:

@@ -73,9 +73,10 @@ class ParallelDims:
         return self.dp > 1
 
     @property
-    def fsdp_enabled(self) -> bool:
-        """The data-parallel wrapper applies: data parallel, or context parallel (whose ranks hold the same
-        weights and compute gradients of different tokens, so they shard the weights too)."""
+    def wraps_data_parallel(self) -> bool:
+        """The data-parallel wrapper (SimpleFSDP or FSDP2: fully_shard, replicate or hybrid_shard) applies: data
+        parallel, or context parallel (whose ranks hold the same weights and compute gradients of different
+        tokens, so they shard the weights too)."""
         return self.dp * self.cp > 1
 
     @property

@@ -22,7 +22,7 @@ would cast it to float8), so a data-less stand-in of the weight carries it (``_R
 
 The numbers are those of gathering in bf16: the amax is exact (max of rounded values = rounded max), and the scale
 and the elementwise cast are torchao's own functions applied to the same values. So losses are bitwise equal in
-eager, ``tests/test_float8_gather.py``. Gathering once per step (``step_gather.py``) gathers the same bits in
+eager, ``tests/test_float8_gather.py``. Gathering once per step (``fsdp_gather.py``) gathers the same bits in
 byte buckets of their own. Under tensor parallel each rank gathers its TP shard of the weight, cast with the
 whole weight's scale, and the linear gets a DTensor of float8 shards, as torchao's float8 TP styles expect.
 """
@@ -35,17 +35,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titan_simple.parallel.simple_fsdp import chunk_rows, unsharded_local_shape
-from titan_simple.parallel.torch_private import StridedShard
+from titan_simple.parallel.torch_private import (
+    StridedShard,
+    all_gather_single,
+    all_reduce,
+    reduce_scatter_single,
+    wait_tensor,
+)
 
 FLOAT8 = torch.float8_e4m3fn
-# torch 2.13 renamed these (the old names warn); torch 2.11, which the GPU machine had, has only the old ones.
-_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
-_reduce_scatter = getattr(funcol, "reduce_scatter_single", None) or funcol.reduce_scatter_tensor
 SCALE_BUFFER = "float8_weight_scale"  # each float8-gathered linear's scale, set by refresh_float8_weights
 BITS_BUFFER = "float8_weight_bits"  # ... and its shard cast with it, as uint8
 
@@ -78,14 +80,14 @@ class _ReduceGradient(torch.autograd.Function):
         shard_group, rows, coordinate, replicate_groups, reduce_dtype, shard_dtype = ctx.layout
         grad = grad.to(reduce_dtype)
         for group in replicate_groups:  # first, as DTensor's redistribute orders hybrid_shard's reductions
-            grad = funcol.all_reduce(grad, "sum", group)
+            grad = all_reduce(grad, "sum", group)
         if shard_group is not None:
             width = max(rows)
             if min(rows) != width:  # uneven shards: pad each rank's rows to the widest
                 grad = torch.cat([_pad_rows(block, width) for block in grad.split(list(rows))])
             # No explicit waits: the collective's tensor waits where it is first read (the optimizer's, unless a
             # pass moves it), as DTensor's reductions do; Inductor's bucketing expects that order.
-            grad = _reduce_scatter(grad, "sum", 0, shard_group)
+            grad = reduce_scatter_single(grad, "sum", 0, shard_group)
             if min(rows) != width:
                 grad = grad[: rows[coordinate]]
         return grad.to(shard_dtype), None, None, None, None, None, None, None
@@ -135,7 +137,7 @@ class Float8Gather:
             bits = module._buffers[BITS_BUFFER]
             if self.shard_group is not None:
                 width = max(self.rows)
-                bits = funcol.wait_tensor(_all_gather(_pad_rows(bits, width), 0, self.shard_group))
+                bits = wait_tensor(all_gather_single(_pad_rows(bits, width), 0, self.shard_group))
                 if min(self.rows) != width:  # uneven shards (torch.chunk's split): drop each rank's padding
                     bits = torch.cat([block[:n] for block, n in zip(bits.split(width), self.rows, strict=True)])
         shape = (sum(self.rows), *shard.shape[1:])
@@ -218,7 +220,7 @@ def refresh_float8_weights(parts: Iterable[nn.Module]) -> None:
         amax = torch.stack([torch.linalg.vector_norm(s, math.inf).to(d).float() if s.numel() else
                             s.new_zeros((), dtype=torch.float32) for s, d in zip(shards, dtypes, strict=True)])
         for group in groups:
-            amax = funcol.wait_tensor(funcol.all_reduce(amax, "max", group))
+            amax = wait_tensor(all_reduce(amax, "max", group))
         scales = amax_to_scale(amax, FLOAT8, modules[0].config.round_scales_to_power_of_2)
         for module, shard, dtype, scale in zip(modules, shards, dtypes, scales, strict=True):
             module._buffers[SCALE_BUFFER].copy_(scale)

@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 
 
 class Compiles(Protocol):
-    """What the recipe asks of the run's compile plan (``compile/compiler.CompilePlan``): which mode, and how to
+    """What the recipe asks of the run's compile plan (``compile/compile_plan.CompilePlan``): which mode, and how to
     compile a block, a model's regions or a whole model. The compiler sits above the parallelisms (it buckets
     SimpleFSDP's collectives), so ``parallel/`` names only this."""
 
@@ -76,7 +76,7 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh | None, plan: ParallelP
         if plan.compile.async_tensor_parallel:
             # Inductor fuses a TP collective with its matmul only on groups with symmetric memory enabled.
             enable_symmetric_memory(tensor_parallel_mesh(mesh).get_group().group_name)
-        if not dims.fsdp_enabled:
+        if not dims.wraps_data_parallel:
             keep_gradient_layouts(model)  # the data-parallel wrappers would otherwise do it
     if dims.cp > 1:  # before activation checkpointing wraps the blocks
         apply_context_parallel(model, context_parallel_mesh(mesh))
@@ -90,7 +90,7 @@ def parallelize_llama(model: nn.Module, mesh: DeviceMesh | None, plan: ParallelP
         for block in model.layers.values():
             plan.compile.compile_block(block)
 
-    if dims.fsdp_enabled:
+    if dims.wraps_data_parallel:
         if plan.fsdp_implementation == "simple":
             data_parallel(
                 model,

@@ -168,7 +168,7 @@ def _gathered_property(name: str) -> property:
         param = self._parameters[name]
         if param is None or not _GATHER_ENABLED:
             return param
-        if self._held_unsharded is not None:  # gathered ahead: once per step (step_gather.py), or by the
+        if self._held_unsharded is not None:  # gathered ahead: once per step (fsdp_gather.py), or by the
             # region before (regional compilation's hand-off, regions.py)
             held, spec = self._held_unsharded[name], self._gather_specs[name]
             if isinstance(held, tuple):  # a float8 weight handed over as its plain parts (float8_gather.py)
@@ -188,7 +188,7 @@ def _parametrize(module: nn.Module, specs: dict[str, _GatherSpec]) -> None:
     key = (type(module), tuple(sorted(specs)))
     if key not in _PARAMETRIZED_CLASSES:
         attrs: dict = {name: _gathered_property(name) for name in key[1]}
-        # {name: unsharded local tensor} while step_gather or a regional hand-off holds them
+        # {name: unsharded local tensor} while fsdp_gather.py or a regional hand-off holds them
         attrs["_held_unsharded"] = None
         _PARAMETRIZED_CLASSES[key] = type(type(module).__name__, (type(module),), attrs)
     module._gather_specs = specs

@@ -2,11 +2,11 @@
 imported here; other modules import them from this one. The compiler's private APIs (Inductor, AOT autograd,
 Dynamo) are in ``compile/inductor_private.py``, so that an eager process never imports Inductor.
 
-A private API may change in any torch release, with no deprecation. With all of them in two files, a torch
-upgrade has two files to fix. ``tests/test_torch_private.py`` checks every entry of both ``PRIVATE_APIS`` and
-names any that is missing. The dry run (``dry_run/tracer.py``, ``dry_run/fake_pg.py``; guarded by
-``tests/test_dry_run.py``) and CUDA memory snapshots (``trainer/profiling.py``; ``tests/test_profiling.py``) have
-their own private APIs and guards.
+A private API may change in any torch release, with no deprecation. Each package layer that needs one has one
+guarded module (this one, ``compile/inductor_private.py``, ``dry_run/torch_private.py``,
+``trainer/torch_private.py``), checked with torch 2.13: ``tests/test_torch_private.py`` checks every entry of their
+``PRIVATE_APIS`` (and ``LAZY_PRIVATE_APIS``), names any that is missing, and fails on a private torch import
+anywhere else in the package.
 
 A private name that is simply used as is gets re-exported here under a name without the underscore.
 Where a private API is a method or a config key, a small function wraps it.
@@ -32,6 +32,14 @@ from torch.utils import _python_dispatch
 # --- re-exports: the names the rest of the package imports ------------------------------------------------
 StridedShard = placement_types._StridedShard
 TorchDispatchMode = _python_dispatch.TorchDispatchMode
+# The functional collectives (traceable, named by their group): torch 2.13 names them *_single; torch 2.11, which
+# our first GPU machine had, has only the older *_tensor names (2.13 keeps them, with a warning).
+all_gather_single = (getattr(functional_collectives, "all_gather_single", None)
+                     or functional_collectives.all_gather_tensor)
+reduce_scatter_single = (getattr(functional_collectives, "reduce_scatter_single", None)
+                         or functional_collectives.reduce_scatter_tensor)
+all_reduce = functional_collectives.all_reduce
+wait_tensor = functional_collectives.wait_tensor
 
 # (owner, attribute, why we need it). The guard test checks each one with hasattr on the owner.
 PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
@@ -50,7 +58,11 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
      "pipeline.py: turned off for zero-bubble schedules, which run a compiled backward twice"),
     (DeviceMesh, "_flatten", "dims.py: the flattened 'dp' (replicate x shard) and 'dp_shard_cp' mesh dimensions"),
     (functional_collectives, "all_gather_single",
-     "context_parallel.py: the keys' and values' all-gather, traceable, its backward a reduce-scatter"),
+     "context_parallel.py, float8_gather.py: the keys' and values' all-gather (its backward a reduce-scatter); "
+     "float8 weights' gathers"),
+    (functional_collectives, "reduce_scatter_single", "float8_gather.py: float8 weights' gradients"),
+    (functional_collectives, "all_reduce", "float8_gather.py: replicated gradients and the weights' amaxes"),
+    (functional_collectives, "wait_tensor", "float8_gather.py: a functional collective's result"),
     (DeviceMesh, "_get_root_mesh", "simple_fsdp.py: the world mesh a dp mesh was sliced from (dp x tp)"),
     (placement_types, "_StridedShard",
      "simple_fsdp.py: the dp placement of a TP-sharded dim (the only spelling in torch 2.13)"),
@@ -61,6 +73,21 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
     (symmetric_memory, "empty", "scripts/gpu_check.py: probe whether symmetric memory works on this node"),
     (symmetric_memory, "rendezvous", "scripts/gpu_check.py: probe whether symmetric memory works on this node"),
 )
+
+
+# Imported only when used: importing it registers the "fake" c10d backend. (module, attribute, why)
+LAZY_PRIVATE_APIS: tuple[tuple[str, str, str], ...] = (
+    ("torch.testing._internal.distributed.fake_pg", "FakeStore",
+     "fake_process_group.py: one process acting as one rank of a large job (dry runs, precompiles)"),
+)
+
+
+def fake_store() -> object:
+    """The store of torch's "fake" c10d backend, whose collectives return at once and move no data; importing its
+    module (``torch.testing._internal``: the only place torch ships it) registers the backend."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
 
 
 def all_gather_with_reduce_scatter_backward(x: torch.Tensor, group_name: str) -> torch.Tensor:

@@ -44,31 +44,13 @@ import torch
 import torch.profiler
 
 from titan_simple.config import Profiling
+from titan_simple.trainer.torch_private import (
+    dump_cuda_memory_snapshot,
+    start_recording_cuda_memory,
+    stop_recording_cuda_memory,
+)
 
 logger = logging.getLogger(__name__)
-
-MAX_MEMORY_EVENTS = 100_000  # allocation events kept by the CUDA recorder (a ring buffer; ~ tens of MB)
-
-
-# ------------------------------------------------------------------------------------- private CUDA API
-# torch.cuda.memory._record_memory_history and _dump_snapshot are private but the documented way to take a
-# memory snapshot (https://pytorch.org/docs/stable/torch_cuda_memory.html); they are used here and nowhere
-# else, and tests/test_profiling.py fails when torch renames them.
-
-
-def start_recording_cuda_memory(max_entries: int = MAX_MEMORY_EVENTS) -> None:
-    """Record every CUDA allocation and free, with Python and C++ stacks, for later snapshots."""
-    torch.cuda.memory._record_memory_history(enabled="all", max_entries=max_entries)
-
-
-def stop_recording_cuda_memory() -> None:
-    torch.cuda.memory._record_memory_history(enabled=None)
-
-
-def dump_cuda_memory_snapshot(path: str) -> None:
-    """Write the recorded history and the allocator's current state as a pickle for pytorch.org/memory_viz."""
-    torch.cuda.memory._dump_snapshot(path)
-
 
 # ------------------------------------------------------------------------------------------- profiler
 

@@ -1,22 +1,6 @@
-"""Measuring primitives shared by ``dry_run/``, ``parallel/`` and ``scripts/``: how long a matmul, a copy and an
-all-gather take on this machine, the slowest rank's figures, and the live tensor-storage byte counter.
-
-The timing pieces are defined in ``parallel/timing.py`` (``parallel/`` imports nothing from ``dry_run/``) and
-re-exported here; the memory piece, ``LiveStorageBytes``, is defined here.
-
-Each caller keeps its own method (sizes, repetitions, mean or median or least, barriers or not) and its own
-formulas on top; only the pieces are here:
-
-* ``CpuRuntimeEstimator.calibrate`` (``compile/cpu_cost_model.py``, from ``parallel/timing.py`` directly):
-  Inductor's CPU runtime model;
-* ``measure_rates`` (``dry_run/cpu_check.py``): the rates the dry run is checked against;
-* ``measure_cpu`` (``dry_run/hardware.py``): this CPU as the dry run's ``DeviceSpec``;
-* ``matmul_flops_per_second`` (``scripts/benchmarks/benchmark.py``): the matmul rate MFU is taken against;
-* ``LiveStorageBytes``: the base of ``dry_run/tracer.py``'s ``StepTracer`` (the dry run) and
-  ``scripts/benchmarks/measure_memory.py``'s ``LiveTensorBytes``.
-
-(``dry_run/cpu_check.py`` is the whole measured-step check; this module only holds its tools.)
-"""
+"""The live tensor-storage byte counter: the base of ``dry_run/tracer.py``'s ``StepTracer`` (the dry run) and
+``scripts/benchmarks/measure_memory.py``'s ``LiveTensorBytes``. (How long a matmul, a copy and an all-gather take
+on this machine is ``parallel/speed_probes.py``'s.)"""
 
 from __future__ import annotations
 
@@ -24,34 +8,8 @@ import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from titan_simple.parallel.timing import (
-    FP32_BYTES,
-    all_gather_seconds,
-    copy_bytes,
-    copy_seconds,
-    matmul_flops,
-    matmul_seconds,
-    max_over_ranks,
-    seconds_of_each_call,
-    seconds_per_call,
-    torch_threads,
-)
-
-__all__ = [
-    "FP32_BYTES",
-    "LiveStorageBytes",
-    "all_gather_seconds",
-    "copy_bytes",
-    "copy_seconds",
-    "matmul_flops",
-    "matmul_seconds",
-    "max_over_ranks",
-    "seconds_of_each_call",
-    "seconds_per_call",
-    "torch_threads",
-]
+from titan_simple.parallel.torch_private import TorchDispatchMode
 
 # ------------------------------------------------------------------------------------------ memory
 

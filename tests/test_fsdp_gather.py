@@ -1,4 +1,4 @@
-"""SimpleFSDP gathering once per step (``parallel/step_gather.py``, ``[parallelism] fsdp_gather``).
+"""SimpleFSDP gathering once per step (``parallel/fsdp_gather.py``, ``[parallelism] fsdp_gather``).
 
 Gradient accumulation (dp_shard2, 4 accumulation steps, 2 processes) and pipeline parallel (pp2 x dp_shard2, 8
 microbatches, 4 processes), 10 steps, fp32: once per step the data-parallel all-gathers and reduce-scatters of a
@@ -18,12 +18,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from tests.distributed_utils import run_on_ranks
 from tests.parity import COMPILED_RTOL, EAGER_RTOL, Recipe, build_layout, max_rel_diff, train_reference
 from titan_simple.config import load_job_config
-from titan_simple.core.plan import choose_gather_mode
+from titan_simple.core.plan import choose_fsdp_gather
 from titan_simple.errors import ConfigError
-from titan_simple.parallel import step_gather
+from titan_simple.parallel import fsdp_gather
 from titan_simple.parallel.dims import ParallelDims
+from titan_simple.parallel.fsdp_gather import StepGather
 from titan_simple.parallel.simple_fsdp import MixedPrecisionPolicy, chunk_rows, data_parallel
-from titan_simple.parallel.step_gather import StepGather
 
 STEPS = 4  # steps 2-4 run on Adam's state and the gathered weights of updated shards
 N_LAYERS = 4  # debug model blocks: 2 per pipeline stage
@@ -55,13 +55,13 @@ class CollectiveCounter(TorchDispatchMode):
 def _record_order(model, events: list) -> None:
     """Append ("forward", i) when block i's forward starts, ("backward", i) when its backward starts, and
     ("unpack", bucket) where StepGather waits for a bucket's all-gather and makes its held weights."""
-    original = step_gather._HeldBucket._unpack
+    original = fsdp_gather._HeldBucket._unpack
 
     def unpack(self):
         events.append(("unpack", self.index))
         return original(self)
 
-    step_gather._HeldBucket._unpack = unpack  # in this spawned rank process only
+    fsdp_gather._HeldBucket._unpack = unpack  # in this spawned rank process only
     for i, block in enumerate(model.layers.values()):
         def forward_pre(_module, _args, i=i):
             events.append(("forward", i))
@@ -101,7 +101,7 @@ def _train(config, world_size: int, recipe: Recipe, batches_per_step: int, count
         loss_sum = result.loss_sum.clone()
         dist.all_reduce(loss_sum, group=layout.mesh["dp_shard"].get_group())
         out["losses"].append(loss_sum.item() / result.global_tokens)
-    gather = layout.parts.step_gather
+    gather = layout.parts.once_per_step_gather
     out["buckets"] = None if gather is None else len(gather.buckets)
     out["stages"] = [s.stage_index for s in layout.parts.pipeline.stages] if layout.parts.pipeline else None
     return out
@@ -219,7 +219,7 @@ def test_chunk_rows_is_dtensors_split():
 ])
 def test_auto_gather_mode(overrides, expected):
     config = load_job_config(["--config", "llama3_debug.toml", *overrides])
-    assert choose_gather_mode(config, ParallelDims.from_config(config, 4)) == expected
+    assert choose_fsdp_gather(config, ParallelDims.from_config(config, 4)) == expected
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -230,7 +230,7 @@ def test_auto_gather_mode(overrides, expected):
 def test_once_per_step_where_it_cannot_work_is_a_config_error(overrides, message):
     config = load_job_config(["--config", "llama3_debug.toml", "--parallelism.fsdp_gather=once_per_step", *overrides])
     with pytest.raises(ConfigError, match=message):
-        choose_gather_mode(config, ParallelDims.from_config(config, 4))
+        choose_fsdp_gather(config, ParallelDims.from_config(config, 4))
 
 
 class _Uneven(nn.Module):

@@ -38,8 +38,8 @@ from titan_simple.compile.once import CompileOnce, graph_class, use_session
 from titan_simple.config import JobConfig
 from titan_simple.core.assemble import build_run
 from titan_simple.core.plan import RunPlan, resolve_plan
-from titan_simple.dry_run.fake_pg import init_fake_process_group
 from titan_simple.errors import ConfigError
+from titan_simple.parallel.fake_process_group import init_fake_process_group
 
 logger = logging.getLogger(__name__)
 

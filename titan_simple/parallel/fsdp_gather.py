@@ -81,7 +81,7 @@ def _dp_layout(param: DTensor, spec: _GatherSpec) -> tuple[int | None, int, int]
     if not dims:
         return None, 1, 0
     if len(dims) != 1 or param.placements[dims[0]].dim != 0:
-        raise ValueError(f"step_gather: expects dim-0 sharding over one dp mesh dim, got {param.placements}")
+        raise ValueError(f"fsdp_gather: expects dim-0 sharding over one dp mesh dim, got {param.placements}")
     return dims[0], spec.dp_mesh.size(dims[0]), spec.dp_mesh.get_local_rank(dims[0])
 
 
@@ -137,7 +137,7 @@ class StepGather:
                 shard_dim, n, coordinate = _dp_layout(param, spec)
                 layout = (spec.dp_mesh, shard_dim, n, coordinate)
                 if group is not None and layout[:3] != group[:3]:
-                    raise ValueError("step_gather: a bucket's parameters must share their data-parallel layout: "
+                    raise ValueError("fsdp_gather: a bucket's parameters must share their data-parallel layout: "
                                      f"{layout} vs {group}")
                 group = layout
                 shape = unsharded_local_shape(param, spec)

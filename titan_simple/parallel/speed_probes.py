@@ -1,8 +1,13 @@
-"""Timing primitives: how long a matmul, a copy and an all-gather take on this machine, and the slowest rank's
-figures. They sit here, below ``dry_run/``, because ``cpu_cost_model.py`` calibrates Inductor's CPU runtime
-model with them in every compiling process; ``dry_run/probes.py`` re-exports them for the dry run's checks
-and ``scripts/`` (its docstring lists who uses which). Each caller keeps its own method (sizes, repetitions,
-mean or median or least, barriers or not); only the pieces are here.
+"""How fast this machine is: how long a matmul, a copy and an all-gather take, and the slowest rank's figures.
+
+Each caller keeps its own method (sizes, repetitions, mean or median or least, barriers or not) and its own formulas
+on top; only the pieces are here, below ``dry_run/`` because Inductor's CPU runtime model is calibrated with them
+in every compiling process:
+
+* ``CpuRuntimeEstimator.calibrate`` (``compile/cpu_cost_model.py``): Inductor's CPU runtime model;
+* ``measure_rates`` (``dry_run/cpu_measurement.py``): the rates the dry run is checked against;
+* ``measure_cpu`` (``dry_run/hardware.py``): this CPU as the dry run's ``DeviceSpec``;
+* ``matmul_flops_per_second`` (``scripts/benchmarks/benchmark.py``): the matmul rate MFU is taken against.
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ from titan_simple.config import load_job_config
 from titan_simple.core.assemble import build_run
 from titan_simple.core.plan import resolve_plan
 from titan_simple.core.step import StepHooks
-from titan_simple.dry_run import probes
 from titan_simple.dry_run.tracer import StepTracer, ignoring_shape_propagation
+from titan_simple.parallel import speed_probes as probes
 from titan_simple.parallel.torch_private import use_one_gloo_worker_thread
 
 
