@@ -136,7 +136,9 @@ def _row(layout: Layout | None, report: dict[str, Any], headroom: float, spec) -
     }
 
 
-class Progress:
+class SearchProgressLine:
+    """The search's one progress line on stderr (rewritten in place on a terminal)."""
+
     def __init__(self, total: int) -> None:
         self.total, self.start, self.tty = total, time.perf_counter(), sys.stderr.isatty()
 
@@ -194,7 +196,7 @@ def run_search(config: JobConfig) -> dict[str, Any]:
         deadline = start + dry.search_seconds if dry.search_seconds > 0 else None
         headroom = memory_headroom(dry.memory_headroom)
         rows, _ = _best_first(fresh, bounded, fates, floors, dry.search_top, dry.search_workers,
-                              Progress(len(bounded)), layout_budget(dry.search_layouts, world), deadline,
+                              SearchProgressLine(len(bounded)), layout_budget(dry.search_layouts, world), deadline,
                               headroom, spec)
     published_row = {"error": published["error"]} if "error" in published else _row(None, published, headroom,
                                                                                        spec)
@@ -289,7 +291,7 @@ def _trace_row(row: dict[str, Any]) -> None:
                                                     "tokens_per_second_per_gpu", "time_seconds")}) + "\n")
 
 
-def _best_first(pool, bounded, fates, floors, top: int, workers: int, progress: Progress, budget: int,
+def _best_first(pool, bounded, fates, floors, top: int, workers: int, progress: SearchProgressLine, budget: int,
                 deadline: float | None, headroom: float, spec):
     """Price layouts in order of their speed ceiling (``workers + 1`` in flight) until ``top`` recommended rows beat
     every ceiling left, ``budget`` layouts are priced, or the ``deadline`` (``time.perf_counter``; None: none)
