@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parent.parent
 PRIVATE_IMPORTS = {
     "titan_simple/parallel/torch_private.py": {
         "torch._functorch.config", "torch.distributed._functional_collectives", "torch.distributed._symmetric_memory",
-        "torch.utils._python_dispatch", "torch.testing._internal.distributed.fake_pg"},
+        "torch.distributed.tensor._utils", "torch.utils._python_dispatch",
+        "torch.testing._internal.distributed.fake_pg"},
     "titan_simple/compile/inductor_private.py": {
         "torch._dynamo.config", "torch._dynamo.utils", "torch._functorch._aot_autograd", "torch._functorch.config",
         "torch._functorch.partitioners", "torch._inductor", "torch._inductor.compile_fx", "torch._inductor.config",

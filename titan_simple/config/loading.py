@@ -287,6 +287,7 @@ def validate(config: JobConfig) -> None:
              "attention norm + q / k / v, its wo, its feed-forward, the middle blocks, the last block but its w2, "
              "its w2; see regional_blocks)")
     _require(compile_config.regional_blocks >= 1, config, "compile", "regional_blocks", "an integer >= 1")
+    _validate_muon(config)
     _validate_pipeline(config)
     _validate_comm(config)
     _validate_checkpoint(config)
@@ -294,6 +295,29 @@ def validate(config: JobConfig) -> None:
     _validate_fault_tolerance(config)
     _require(config.dry_run.world_size >= 1, config, "dry_run", "world_size",
              "the number of devices to plan for (>= 1)")
+
+
+MUON_KEYS = ("muon_lr", "muon_weight_decay", "muon_momentum", "muon_nesterov", "muon_ns_steps", "muon_adjust_lr_fn",
+             "muon_ns_dtype", "muon_exclude")
+
+
+def _validate_muon(config: JobConfig) -> None:
+    """Muon's keys on their own; whether the model has block matrices for it is the plan's check."""
+    optimizer = config.optimizer
+    set_here = [key for key in MUON_KEYS if f"optimizer.{key}" in config.sources]
+    if optimizer.name != "Muon" and set_here:
+        source = config.sources[f"optimizer.{set_here[0]}"]
+        raise ConfigError(f"{source}: [optimizer] {set_here[0]} is set but name = {optimizer.name!r}: Muon's keys "
+                          "take effect with name = 'Muon' (whose other parameters take AdamW, the decoupled decay "
+                          "Muon's matrices have too; Adam's L2 decay has no Muon counterpart). Set name = 'Muon' or "
+                          "drop the muon_ keys.")
+    _require(optimizer.muon_lr is None or optimizer.muon_lr > 0, config, "optimizer", "muon_lr",
+             "none (= lr) or a positive learning rate")
+    _require(optimizer.muon_weight_decay is None or optimizer.muon_weight_decay >= 0, config, "optimizer",
+             "muon_weight_decay", "none (= weight_decay) or a value >= 0")
+    _require(0 <= optimizer.muon_momentum < 1, config, "optimizer", "muon_momentum", "a value in [0, 1)")
+    _require(optimizer.muon_ns_steps >= 1, config, "optimizer", "muon_ns_steps",
+             "at least 1 Newton-Schulz iteration (torch.optim.Muon's default: 5)")
 
 
 def _validate_fault_tolerance(config: JobConfig) -> None:

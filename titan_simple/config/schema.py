@@ -102,11 +102,30 @@ class Float8:
 
 @dataclass
 class Optimizer:
-    name: str = option("AdamW", "Optimizer class.", choices=("AdamW", "Adam"))
-    lr: float = option(8e-4, "Peak learning rate.")
+    name: str = option(
+        "AdamW", "Optimizer: AdamW (decoupled weight decay), Adam (L2 decay), or Muon: Muon for every 2-D weight of "
+        "the transformer blocks (attention q/k/v/o, the MLP's three matrices), AdamW with the keys above for the "
+        "rest (embedding, output projection, norms).", choices=("AdamW", "Adam", "Muon"))
+    lr: float = option(8e-4, "Peak learning rate (AdamW's, under Muon too).")
     eps: float = option(1e-8, "Adam epsilon.")
     weight_decay: float = option(0.1, "Decoupled weight decay, applied to every parameter.")
     implementation: str = option("foreach", "Kernel style of the optimizer step.", choices=("foreach", "for-loop"))
+    muon_lr: float | None = option(
+        None, "Muon's peak learning rate; none = lr. With muon_adjust_lr_fn = 'match_rms_adamw' Muon's updates have "
+        "AdamW's RMS, so AdamW's tuned lr (and weight_decay) transfer.")
+    muon_weight_decay: float | None = option(None, "Muon's decoupled weight decay; none = weight_decay.")
+    muon_momentum: float = option(0.95, "Muon's momentum, in [0, 1).")
+    muon_nesterov: bool = option(True, "Nesterov momentum for Muon.")
+    muon_ns_steps: int = option(5, "Newton-Schulz iterations per orthogonalization (torch.optim.Muon's 5).")
+    muon_adjust_lr_fn: str = option(
+        "match_rms_adamw", "Muon's learning rate per matrix, as torch.optim.Muon's adjust_lr_fn: 'match_rms_adamw' "
+        "(x 0.2 sqrt(max(rows, cols)), Moonshot's) or 'original' (x sqrt(max(1, rows / cols)), Keller Jordan's).",
+        choices=("match_rms_adamw", "original"))
+    muon_ns_dtype: str = option(
+        "bfloat16", "Precision of the Newton-Schulz iterations: bfloat16 (as torch.optim.Muon and published "
+        "implementations) or float32 (exactness studies).", choices=("bfloat16", "float32"))
+    muon_exclude: list[str] = option(
+        [], "Block matrices to leave on AdamW, as name substrings (e.g. 'feed_forward.w2'); the plan names them.")
 
 
 @dataclass

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from titan_simple.core.muon import MuonWithAdamW, split_parameters
 from titan_simple.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -72,10 +73,33 @@ def build_optimizer(
 
 
 def optimizer_from_config(config: JobConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """``build_optimizer`` with the ``[optimizer]`` section's settings."""
+    """``build_optimizer`` with the ``[optimizer]`` section's settings; ``name = "Muon"``: ``build_muon``'s."""
     optimizer_config = config.optimizer
+    if optimizer_config.name == "Muon":
+        return build_muon(model, config)
     return build_optimizer(model, name=optimizer_config.name, lr=optimizer_config.lr, eps=optimizer_config.eps,
                            weight_decay=optimizer_config.weight_decay, implementation=optimizer_config.implementation)
+
+
+def build_muon(model: nn.Module, config: JobConfig) -> MuonWithAdamW:
+    """Muon for the block matrices of ``model`` (``core/muon.py``), AdamW for the rest, with ``[optimizer]``'s keys.
+    Every rank calls it at once (its matrices' owners are agreed collectively)."""
+    settings = config.optimizer
+    muon, adamw, excluded = split_parameters(model.named_parameters(remove_duplicate=False), settings.muon_exclude)
+    if not muon:
+        raise ConfigError("[optimizer] name = 'Muon' found no block matrix to train (attention wq/wk/wv/wo, "
+                          "feed_forward w1/w2/w3) on this rank; use AdamW, or fewer muon_exclude patterns.")
+    optimizer = MuonWithAdamW(
+        [p for _, p in muon], [p for _, p in adamw], lr=settings.lr, weight_decay=settings.weight_decay,
+        betas=(0.9, 0.95), eps=settings.eps, foreach=_implementation_kwargs(settings.implementation)["foreach"],
+        muon_lr=settings.muon_lr if settings.muon_lr is not None else settings.lr,
+        muon_weight_decay=(settings.muon_weight_decay if settings.muon_weight_decay is not None
+                           else settings.weight_decay),
+        momentum=settings.muon_momentum, nesterov=settings.muon_nesterov, ns_steps=settings.muon_ns_steps,
+        adjust_lr_fn=settings.muon_adjust_lr_fn, ns_dtype=settings.muon_ns_dtype,
+        compile_newton_schulz=config.compile.enable)
+    logger.info("Muon: %s", optimizer.owners.describe())
+    return optimizer
 
 
 @dataclass

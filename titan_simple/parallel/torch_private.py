@@ -25,6 +25,7 @@ import torch._functorch.config as functorch_config
 import torch.distributed._functional_collectives as functional_collectives
 import torch.distributed._symmetric_memory as symmetric_memory
 import torch.distributed.distributed_c10d as c10d
+import torch.distributed.tensor._utils as dtensor_utils
 import torch.distributed.tensor.placement_types as placement_types
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _python_dispatch
@@ -64,6 +65,8 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
     (functional_collectives, "all_reduce", "float8_gather.py: replicated gradients and the weights' amaxes"),
     (functional_collectives, "wait_tensor", "float8_gather.py: a functional collective's result"),
     (DeviceMesh, "_get_root_mesh", "simple_fsdp.py: the world mesh a dp mesh was sliced from (dp x tp)"),
+    (dtensor_utils, "compute_local_shape_and_global_offset",
+     "matrix_owners.py: the block of a sharded matrix a rank holds (strided shards under TP included)"),
     (placement_types, "_StridedShard",
      "simple_fsdp.py: the dp placement of a TP-sharded dim (the only spelling in torch 2.13)"),
     (symmetric_memory, "enable_symm_mem_for_group",
@@ -73,6 +76,12 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
     (symmetric_memory, "empty", "scripts/gpu_check.py: probe whether symmetric memory works on this node"),
     (symmetric_memory, "rendezvous", "scripts/gpu_check.py: probe whether symmetric memory works on this node"),
 )
+
+
+def local_shape_and_offset(param: torch.distributed.tensor.DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """This rank's block of a DTensor: its local shape and where it starts in the global tensor, as DTensor itself
+    lays its shards out (uneven and strided shards included)."""
+    return dtensor_utils.compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
 
 
 # Imported only when used: importing it registers the "fake" c10d backend. (module, attribute, why)
