@@ -96,20 +96,20 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
-    """Muon for ``muon`` (2-D matrices), AdamW for ``adamw``: two parameter groups (``algorithm`` says which), whose
-    ``lr`` a learning-rate schedule scales alike. Built on every rank of the job at once (the owners are agreed
-    collectively); ``step`` is a collective too (two all-to-alls)."""
+    """Muon for ``muon`` (2-D matrices), AdamW for ``adamw``: two parameter groups (``algorithm`` says which; AdamW's
+    first), whose ``lr`` a learning-rate schedule scales alike. Built on every rank of the job at once (the owners
+    are agreed collectively); ``step`` is a collective too (two all-to-alls)."""
 
     def __init__(self, muon: list[nn.Parameter], adamw: list[nn.Parameter], *, lr: float, weight_decay: float,
                  betas: tuple[float, float], eps: float, foreach: bool, muon_lr: float, muon_weight_decay: float,
                  momentum: float, nesterov: bool, ns_steps: int, adjust_lr_fn: str, ns_dtype: str,
                  compile_newton_schulz: bool = False) -> None:
-        groups = [
+        groups = [  # AdamW's first: param_groups[0]["lr"] is the run's logged lr, [optimizer] lr as without Muon
+            {"params": adamw, "algorithm": "adamw", "lr": lr, "weight_decay": weight_decay, "betas": betas,
+             "eps": eps, "foreach": foreach},
             {"params": muon, "algorithm": "muon", "lr": muon_lr, "weight_decay": muon_weight_decay,
              "momentum": momentum, "nesterov": nesterov, "ns_steps": ns_steps, "adjust_lr_fn": adjust_lr_fn,
              "ns_dtype": ns_dtype},
-            {"params": adamw, "algorithm": "adamw", "lr": lr, "weight_decay": weight_decay, "betas": betas,
-             "eps": eps, "foreach": foreach},
         ]
         super().__init__(groups, {})
         self.owners = MatrixOwners(list(muon), [newton_schulz_flops(tuple(p.shape), ns_steps) for p in muon])
