@@ -3,7 +3,6 @@ and its owner exchange (parallel/matrix_owners.py): each matrix whole on one ran
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 
 import pytest
@@ -18,6 +17,7 @@ from titan_simple.core.muon import (
     split_parameters,
 )
 from titan_simple.core.optim import build_muon
+from titan_simple.core.plan import resolve_plan
 from titan_simple.errors import ConfigError
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, Transformer
 from titan_simple.parallel.matrix_owners import assign_owners
@@ -105,8 +105,28 @@ def test_owners_are_balanced_by_flops_and_agreed_from_the_costs_alone():
     assert assign_owners(costs, (0, 1, 2)) == owners
 
 
-def test_muon_without_a_block_matrix_is_one_line():
-    with pytest.raises(ConfigError, match="found no block matrix to train"):
+def test_the_plan_names_what_muon_takes_and_bad_input_is_one_line(capsys):
+    """The plan's line counts each optimizer's parameters and names block matrices left on AdamW, once; every bad
+    setting is one line and exit status 2 before anything is built."""
+    import train
+
+    plan = resolve_plan(_muon_config("--optimizer.muon_exclude", '["feed_forward.w2"]'), 1, "cpu")
+    line = next(line for line in plan.describe() if "optimizer:" in line)
+    assert line == ("  optimizer: Muon for 36 block matrices (3.54M parameters), AdamW for 21 others (2.21M) | "
+                    "Newton-Schulz 5 steps in bfloat16, lr adjusted match_rms_adamw; left on AdamW by muon_exclude: "
+                    "layers.0.feed_forward.w2.weight, layers.1.feed_forward.w2.weight, "
+                    "layers.2.feed_forward.w2.weight and 3 more")
+    assert not any("optimizer:" in line for line in resolve_plan(load_job_config([]), 1, "cpu").describe())
+    cases = [
+        (("--optimizer.name", "Muon", "--optimizer.muon_exclude", '["layers."]'), "has no block matrix for it"),
+        (("--optimizer.name", "Muon", "--optimizer.muon_ns_steps", "0"), "muon_ns_steps = 0 is impossible"),
+        (("--optimizer.name", "Muon", "--optimizer.muon_momentum", "1.0"), "muon_momentum = 1.0 is impossible"),
+        (("--optimizer.name", "Muon", "--optimizer.muon_adjust_lr_fn", "spectral"), "muon_adjust_lr_fn = 'spectral'"),
+        (("--optimizer.name", "Adam", "--optimizer.muon_lr", "0.02"), "muon_lr is set but name = 'Adam'"),
+    ]
+    for args, message in cases:
+        assert train.main(["--config", "llama3_debug.toml", *args]) == 2, args
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and message in errors[0], (args, errors)
+    with pytest.raises(ConfigError, match="found no block matrix to train"):  # a stage holding none of them
         build_muon(_debug_model(), _muon_config("--optimizer.muon_exclude", '["layers."]'))
-    model = copy.deepcopy(_debug_model())
-    assert build_muon(model, _muon_config()).owners.owned == list(range(42))

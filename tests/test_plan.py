@@ -27,7 +27,7 @@ PLAN_FILE = REPO / "titan_simple" / "core" / "plan.py"
 DECISIONS = (
     "model_args_for", "plan_pipeline", "accumulation_steps", "choose_fsdp_gather", "choose_precision",
     "cpu_has_native_bf16", "choose_compile_mode", "uses_loss_parallel", "choose_reshard_after_forward",
-    "plan_validation", "choose_loss_chunks", "choose_async_tensor_parallel", "plan_attention",
+    "plan_validation", "choose_loss_chunks", "choose_async_tensor_parallel", "plan_attention", "plan_optimizer",
 )
 # Outside the resolver, only generation resolves one decision: the model of the config, built on one process
 # without a layout (a Hugging Face folder's or the flavor's; titan_simple/generate.py).

@@ -21,12 +21,16 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.adam import adam
 
+from titan_simple.config import JobConfig
+from titan_simple.errors import ConfigError
+from titan_simple.models.llama3 import ModelArgs, Transformer
 from titan_simple.parallel.matrix_owners import MatrixOwners
 
 # The parameters Muon takes: every 2-D weight of a transformer block (attention q, k, v, o; the MLP's w1, w2, w3).
@@ -56,6 +60,44 @@ def split_parameters(named: Iterable[tuple[str, nn.Parameter]], exclude: Iterabl
         else:
             adamw.append((name, param))
     return muon, adamw, excluded
+
+
+@dataclass(frozen=True)
+class MuonPlan:
+    """Which of the model's parameters Muon takes (counted on the whole model, every stage's), for the plan's line."""
+
+    matrices: int
+    matrix_parameters: int
+    others: int  # AdamW's tensors
+    other_parameters: int
+    excluded: tuple[str, ...]  # block matrices muon_exclude left on AdamW
+    ns_steps: int
+    ns_dtype: str
+    adjust_lr_fn: str
+
+    def describe(self) -> str:
+        left = (f"; left on AdamW by muon_exclude: {', '.join(self.excluded[:3])}"
+                f"{f' and {len(self.excluded) - 3} more' if len(self.excluded) > 3 else ''}" if self.excluded else "")
+        return (f"optimizer: Muon for {self.matrices} block matrices ({self.matrix_parameters / 1e6:,.2f}M "
+                f"parameters), AdamW for {self.others} others ({self.other_parameters / 1e6:,.2f}M) | Newton-Schulz "
+                f"{self.ns_steps} steps in {self.ns_dtype}, lr adjusted {self.adjust_lr_fn}{left}")
+
+
+def plan_optimizer(config: JobConfig, model_args: ModelArgs) -> MuonPlan | None:
+    """``[optimizer] name = "Muon"``: which parameters of the whole model take it (counted on a meta model), or the
+    one-line error of a model without block matrices for it; None for AdamW and Adam."""
+    settings = config.optimizer
+    if settings.name != "Muon":
+        return None
+    with torch.device("meta"):
+        model = Transformer(model_args)
+    muon, adamw, excluded = split_parameters(model.named_parameters(remove_duplicate=False), settings.muon_exclude)
+    if not muon:
+        raise ConfigError("[optimizer] name = 'Muon' but the model has no block matrix for it (attention wq / wk / wv "
+                          "/ wo, feed_forward w1 / w2 / w3" + (", all in muon_exclude" if excluded else "")
+                          + "); use AdamW, or drop muon_exclude patterns.")
+    return MuonPlan(len(muon), sum(p.numel() for _, p in muon), len(adamw), sum(p.numel() for _, p in adamw),
+                    tuple(excluded), settings.muon_ns_steps, settings.muon_ns_dtype, settings.muon_adjust_lr_fn)
 
 
 def newton_schulz(matrix: torch.Tensor, steps: int, dtype: torch.dtype = torch.bfloat16,

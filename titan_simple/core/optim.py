@@ -72,16 +72,17 @@ def build_optimizer(
     return OPTIMIZERS[name](params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **kernel_style)
 
 
-def optimizer_from_config(config: JobConfig, model: nn.Module) -> torch.optim.Optimizer:
-    """``build_optimizer`` with the ``[optimizer]`` section's settings; ``name = "Muon"``: ``build_muon``'s."""
+def optimizer_from_config(config: JobConfig, model: nn.Module, compiled: bool = False) -> torch.optim.Optimizer:
+    """``build_optimizer`` with the ``[optimizer]`` section's settings; ``name = "Muon"``: ``build_muon``'s
+    (``compiled``: the run compiles, Muon's Newton-Schulz too)."""
     optimizer_config = config.optimizer
     if optimizer_config.name == "Muon":
-        return build_muon(model, config)
+        return build_muon(model, config, compiled)
     return build_optimizer(model, name=optimizer_config.name, lr=optimizer_config.lr, eps=optimizer_config.eps,
                            weight_decay=optimizer_config.weight_decay, implementation=optimizer_config.implementation)
 
 
-def build_muon(model: nn.Module, config: JobConfig) -> MuonWithAdamW:
+def build_muon(model: nn.Module, config: JobConfig, compiled: bool = False) -> MuonWithAdamW:
     """Muon for the block matrices of ``model`` (``core/muon.py``), AdamW for the rest, with ``[optimizer]``'s keys.
     Every rank calls it at once (its matrices' owners are agreed collectively)."""
     settings = config.optimizer
@@ -97,7 +98,7 @@ def build_muon(model: nn.Module, config: JobConfig) -> MuonWithAdamW:
                            else settings.weight_decay),
         momentum=settings.muon_momentum, nesterov=settings.muon_nesterov, ns_steps=settings.muon_ns_steps,
         adjust_lr_fn=settings.muon_adjust_lr_fn, ns_dtype=settings.muon_ns_dtype,
-        compile_newton_schulz=config.compile.enable)
+        compile_newton_schulz=compiled)
     logger.info("Muon: %s", optimizer.owners.describe())
     return optimizer
 

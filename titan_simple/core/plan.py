@@ -29,6 +29,7 @@ from titan_simple.config import JobConfig, resolve_project_path
 from titan_simple.core.batching import DataOrder, accumulation_steps
 from titan_simple.core.compile_fingerprint import compile_cache_folder, compile_fingerprint
 from titan_simple.core.loss import LossPlan
+from titan_simple.core.muon import MuonPlan, plan_optimizer
 from titan_simple.data.datasets import data_cache_folder
 from titan_simple.data.tokenizer import Tokenizer
 from titan_simple.errors import ConfigError
@@ -75,6 +76,7 @@ class RunPlan:
     validation: ValidationPlan | None
     float8: Float8Plan | None = None  # [model] converters = ["float8"]
     attention: AttentionPlan = AttentionPlan()  # the kernel and the mask (causal or block-causal)
+    muon: MuonPlan | None = None  # [optimizer] name = "Muon": which parameters take it
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)  # why "auto" / "default" chose
 
     @property
@@ -141,22 +143,27 @@ class RunPlan:
         chunks = f" in {self.loss.chunks} chunks" if self.loss.chunks > 1 else ""
         lines.append(f"  activation checkpointing: {ac} | loss: {loss}{chunks}"
                      + (f", compiled with the model{why('loss')}" if self.loss.compiled_with_model else ""))
-        compile_plan = self.compile
-        if not compile_plan.enabled:
-            lines.append("  compile: off (eager)")
-        else:
-            what = {"whole": "whole model / stage", "whole_with_loss": "model + loss as one graph",
-                    "per_block": "each transformer block",
-                    "regional": f"regional, one code for every region of {compile_plan.region_blocks} "
-                                f"transformer block{'s' * (compile_plan.region_blocks > 1)}"}[compile_plan.mode]
-            passes = (f", bucketing {compile_plan.bucketing}, reorder {'on' if compile_plan.reorder else 'off'}"
-                      if compile_plan.mode != "per_block" and compile_plan.backend == "inductor" else "")
-            async_tp = ", async TP" if compile_plan.async_tensor_parallel else ""
-            lines.append(f"  compile: {what}{why('compile')}, {compile_plan.backend}{passes}{async_tp}")
+        lines.append(f"  {self._describe_compile(why('compile'))}")
         if self.validation is not None:
             lines.append(f"  validation: every {config.validation.freq} steps, {self.validation.local_batch_size} x "
                          f"{self.validation.seq_len} per dp rank")
+        if self.muon is not None:
+            lines.append(f"  {self.muon.describe()}")
         return lines
+
+
+    def _describe_compile(self, why: str) -> str:
+        compile_plan = self.compile
+        if not compile_plan.enabled:
+            return "compile: off (eager)"
+        what = {"whole": "whole model / stage", "whole_with_loss": "model + loss as one graph",
+                "per_block": "each transformer block",
+                "regional": f"regional, one code for every region of {compile_plan.region_blocks} "
+                            f"transformer block{'s' * (compile_plan.region_blocks > 1)}"}[compile_plan.mode]
+        passes = (f", bucketing {compile_plan.bucketing}, reorder {'on' if compile_plan.reorder else 'off'}"
+                  if compile_plan.mode != "per_block" and compile_plan.backend == "inductor" else "")
+        async_tp = ", async TP" if compile_plan.async_tensor_parallel else ""
+        return f"compile: {what}{why}, {compile_plan.backend}{passes}{async_tp}"
 
 
 def _name(dtype: torch.dtype) -> str:
@@ -212,8 +219,9 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
         config=config, dims=dims, device_type=device_type, model_args=model_args, pipeline=pipeline,
         accumulation_steps=accumulation, precision=precision, fsdp_gather=gather, parallel=parallel, loss=loss,
         data=data, validation=plan_validation(config, dims, pipeline), float8=float8, attention=attention,
-        reasons=reasons,
+        muon=plan_optimizer(config, model_args), reasons=reasons,
     )
+
 
 
 def plan_attention(config: JobConfig, dims: ParallelDims, device_type: str) -> AttentionPlan:
