@@ -215,9 +215,17 @@ def load_lr_scheduler_position(lr_scheduler: LambdaLR, optimizer: torch.optim.Op
     (warmup, decay, total steps), so a run resumed with more ``[training] steps`` follows its new schedule;
     unchanged, the values are identical."""
     saved_shapes = saved.get("lr_lambdas") or []
-    lr_scheduler.load_state_dict({**saved, "lr_lambdas": [None] * len(saved_shapes)})
+    saved = {**saved, "lr_lambdas": [None] * len(saved_shapes)}
+    if len(saved.get("base_lrs", [])) != len(optimizer.param_groups):  # saved by another optimizer (AdamW -> Muon)
+        logger.warning("checkpoint: the saved schedule drove %d parameter group(s), this optimizer has %d: its "
+                       "position continues with this run's learning rates", len(saved.get("base_lrs", [])),
+                       len(optimizer.param_groups))
+        saved = {**{k: v for k, v in saved.items() if k not in ("base_lrs", "_last_lr")}, "lr_lambdas": []}
+        saved_shapes = []
+    lr_scheduler.load_state_dict(saved)
     for group, base_lr, schedule, saved_shape in zip(
-        optimizer.param_groups, lr_scheduler.base_lrs, lr_scheduler.lr_lambdas, saved_shapes, strict=False,
+        optimizer.param_groups, lr_scheduler.base_lrs, lr_scheduler.lr_lambdas,
+        [*saved_shapes, *[None] * len(optimizer.param_groups)], strict=False,
     ):
         if saved_shape is not None and saved_shape != vars(schedule):
             logger.warning("checkpoint: the LR schedule changed since the save (%s -> %s); following the new "

@@ -61,6 +61,7 @@ from titan_simple.trainer.checkpoint_files import (
     check_checkpoint,
     check_model_shapes,
     check_saved_model,
+    check_saved_optimizer,
     commit_step,
     complete_steps,
     copy_hf_weights,
@@ -186,6 +187,7 @@ class CheckpointManager:
         self.dataloader = dataloader
         self.model_args = model_args
         self.model_choice = model_choice(config)  # the [model] keys, recorded in complete.json
+        self.optimizer_name = config.optimizer.name  # whose state a checkpoint's must be to load into it
         self.special_tokens = special_tokens or {}  # bos_token_id / eos_token_id, for Hugging Face exports
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -251,6 +253,8 @@ class CheckpointManager:
         check_saved_model(path, self.model_args, resuming, self.model_choice)
         present = {key.split(".", 1)[0] for key in metadata.state_dict_metadata}
         wanted = {"model"} if model_only else set(STATE_KEYS) - set(self.config.exclude_from_loading)
+        if "optimizer" in wanted:
+            check_saved_optimizer(metadata, path, self.optimizer_name)
         skipped = sorted(wanted - present - {"model"})
         if skipped and not model_only:
             logger.warning("checkpoint: %s holds no %s (a model-only checkpoint?): they start fresh",

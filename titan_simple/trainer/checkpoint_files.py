@@ -166,6 +166,33 @@ def read_metadata(path: Path) -> Metadata:
                           "the checkpoint is corrupt.") from None
 
 
+# The state a kind of optimizer keeps per parameter (its key in the flattened optimizer state dict).
+OPTIMIZER_STATE = {"Muon": "momentum_buffer", "AdamW or Adam": "exp_avg"}
+
+
+def saved_optimizer(metadata: Metadata) -> str | None:
+    """The kind of optimizer whose state a checkpoint holds (Muon keeps a momentum buffer for its matrices, AdamW and
+    Adam two moments for every parameter), or None without optimizer state."""
+    keys = [key for key in metadata.state_dict_metadata if key.startswith("optimizer.state.")]
+    for kind, state in OPTIMIZER_STATE.items():
+        if any(key.endswith(f".{state}") for key in keys):
+            return kind
+    return None
+
+
+def check_saved_optimizer(metadata: Metadata, path: Path, name: str) -> None:
+    """The one-line ConfigError of a checkpoint whose optimizer state another optimizer kept than ``name``
+    (``[optimizer] name``): its state cannot be loaded, and the fix says how to resume without it."""
+    saved = saved_optimizer(metadata)
+    mine = "Muon" if name == "Muon" else "AdamW or Adam"
+    if saved is None or saved == mine:
+        return
+    raise ConfigError(f"checkpoint {path} holds the optimizer state of {saved} and this run's [optimizer] name is "
+                      f"{name!r}, whose state differs; resume without the saved optimizer state with "
+                      "--checkpoint.exclude_from_loading '[\"optimizer\"]' (the model, schedule, data position and "
+                      "RNG still load), or set [optimizer] name back.")
+
+
 def check_model_shapes(metadata: Metadata, expected: dict[str, torch.Size], path: Path,
                        choice: dict | None = None) -> None:
     """ConfigError unless the checkpoint's "model" entries are exactly ``expected`` (names and shapes); the fix
