@@ -10,14 +10,16 @@ matrix, e.g. its Newton-Schulz FLOPs) over them, and plans two all-to-alls per s
   assembles the whole matrix;
 * ``scatter``: each owner cuts its results into the blocks every rank of the mesh holds, replicas included.
 
-Both are one ``all_to_all_single`` over the default process group, with zero-length exchanges between ranks that share
-no matrix (another pipeline stage's ranks): one collective each per step, whatever the layout. Ranks learn each
-other's blocks once, at construction (an ``all_gather_object``), so every rank computes the same owners and plan.
-Plain tensors (one process) are their own owner: nothing moves.
+Both are one (functional) ``all_to_all_single`` over the default process group, with zero-length exchanges between
+ranks that share no matrix (another pipeline stage's ranks): one collective each per step, whatever the layout. The
+dry run traces and prices them like any collective. Every rank computes
+the blocks of its peers from the placements (no communication), so all compute the same owners and plan. Plain
+tensors (one process) are their own owner: nothing moves.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from titan_simple.parallel.torch_private import local_shape_and_offset
+from titan_simple.parallel.torch_private import all_to_all_single, local_shape_and_offset, wait_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -41,19 +43,16 @@ class _Transfer:
     block: Block
 
 
-def _block_of(param: torch.Tensor) -> Block:
-    """The block of the global matrix this rank holds (the whole matrix for a plain tensor)."""
+def _blocks_of(param: torch.Tensor) -> dict[int, Block]:
+    """The block of the global matrix each rank of its mesh holds, by rank (computed from the placements: no
+    communication); a plain tensor is whole on this rank."""
     if not isinstance(param, DTensor):
-        return (0, param.shape[0], 0, param.shape[1])
-    (rows, cols), (row, col) = local_shape_and_offset(param)
-    return (row, rows, col, cols)
-
-
-def _mesh_ranks(param: torch.Tensor) -> tuple[int, ...]:
-    """The ranks that hold a block of ``param`` (this rank alone for a plain tensor)."""
-    if isinstance(param, DTensor) and dist.is_initialized():
-        return tuple(int(r) for r in param.device_mesh.mesh.flatten().tolist())
-    return (dist.get_rank() if dist.is_initialized() else 0,)
+        return {dist.get_rank() if dist.is_initialized() else 0: (0, param.shape[0], 0, param.shape[1])}
+    mesh, blocks = param.device_mesh, {}
+    for coordinate in itertools.product(*(range(size) for size in mesh.shape)):
+        (rows, cols), (row, col) = local_shape_and_offset(param, coordinate)
+        blocks[int(mesh.mesh[coordinate])] = (row, rows, col, cols)
+    return blocks
 
 
 def assign_owners(costs: list[float], ranks: tuple[int, ...]) -> list[int]:
@@ -78,8 +77,9 @@ class MatrixOwners:
         self.shapes = [tuple(p.shape) for p in params]
         self.dtype = params[0].dtype if params else torch.float32  # of the updates that travel to the owners
         self.device = _local_device(params[0]) if params else torch.device("cpu")
-        self.local_blocks = [_block_of(p) for p in params]
-        self.peers = [_mesh_ranks(p) for p in params]  # the ranks holding a block of each matrix
+        blocks = [_blocks_of(p) for p in params]
+        self.local_blocks = [b[self.rank] for b in blocks]
+        self.peers = [tuple(b) for b in blocks]  # the ranks holding a block of each matrix
         by_mesh: dict[tuple[int, ...], list[int]] = {}
         for index, ranks in enumerate(self.peers):
             by_mesh.setdefault(ranks, []).append(index)
@@ -88,7 +88,7 @@ class MatrixOwners:
             for index, owner in zip(indices, assign_owners([costs[i] for i in indices], ranks), strict=True):
                 self.owners[index] = owner
         self.costs = costs
-        everyone = self._everyone_blocks()
+        everyone = [{i: b[rank] for i, b in enumerate(blocks) if rank in b} for rank in range(self.world)]
         self.sends, self.receives = self._gather_plan(everyone)
         self.returns, self.arrivals = self._scatter_plan(everyone)
 
@@ -96,17 +96,6 @@ class MatrixOwners:
     def owned(self) -> list[int]:
         """The matrices this rank orthogonalizes (owns)."""
         return [i for i, owner in enumerate(self.owners) if owner == self.rank]
-
-    def _everyone_blocks(self) -> list[dict[int, Block]]:
-        """Every rank's blocks of the matrices it shares with this rank: ``[rank][matrix] -> block`` (a rank of
-        another mesh, another pipeline stage's, holds other matrices under the same indices: left out)."""
-        mine = dict(enumerate(self.local_blocks))
-        if self.world == 1:
-            return [mine]
-        everyone: list = [None] * self.world
-        dist.all_gather_object(everyone, mine)
-        return [{i: block for i, block in blocks.items() if i < len(self.peers) and rank in self.peers[i]}
-                for rank, blocks in enumerate(everyone)]
 
     def _gather_plan(self, everyone: list[dict[int, Block]]) -> tuple[dict[int, list[_Transfer]],
                                                                         dict[int, list[_Transfer]]]:
@@ -176,8 +165,8 @@ class MatrixOwners:
         send_buffer = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=self.device)
         in_splits = [sum(t.block[1] * t.block[3] for t in outgoing[r]) for r in range(self.world)]
         out_splits = [sum(t.block[1] * t.block[3] for t in incoming[r]) for r in range(self.world)]
-        receive_buffer = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
-        dist.all_to_all_single(receive_buffer, send_buffer, out_splits, in_splits)
+        # the functional collective: the dry run's tracer sees it (and prices it) like every other one
+        receive_buffer = wait_tensor(all_to_all_single(send_buffer, out_splits, in_splits, dist.group.WORLD))
         pieces, start = [], 0
         for r in range(self.world):
             for transfer in incoming[r]:

@@ -40,6 +40,7 @@ all_gather_single = (getattr(functional_collectives, "all_gather_single", None)
 reduce_scatter_single = (getattr(functional_collectives, "reduce_scatter_single", None)
                          or functional_collectives.reduce_scatter_tensor)
 all_reduce = functional_collectives.all_reduce
+all_to_all_single = functional_collectives.all_to_all_single
 wait_tensor = functional_collectives.wait_tensor
 
 # (owner, attribute, why we need it). The guard test checks each one with hasattr on the owner.
@@ -63,10 +64,12 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
      "float8 weights' gathers"),
     (functional_collectives, "reduce_scatter_single", "float8_gather.py: float8 weights' gradients"),
     (functional_collectives, "all_reduce", "float8_gather.py: replicated gradients and the weights' amaxes"),
-    (functional_collectives, "wait_tensor", "float8_gather.py: a functional collective's result"),
+    (functional_collectives, "wait_tensor", "float8_gather.py, matrix_owners.py: a functional collective's result"),
+    (functional_collectives, "all_to_all_single",
+     "matrix_owners.py: Muon's blocks to their matrices' owners and back (traced by the dry run like the others)"),
     (DeviceMesh, "_get_root_mesh", "simple_fsdp.py: the world mesh a dp mesh was sliced from (dp x tp)"),
-    (dtensor_utils, "compute_local_shape_and_global_offset",
-     "matrix_owners.py: the block of a sharded matrix a rank holds (strided shards under TP included)"),
+    (dtensor_utils, "_compute_local_shape_and_global_offset",
+     "matrix_owners.py: the block of a sharded matrix each rank holds (strided shards under TP included)"),
     (placement_types, "_StridedShard",
      "simple_fsdp.py: the dp placement of a TP-sharded dim (the only spelling in torch 2.13)"),
     (symmetric_memory, "enable_symm_mem_for_group",
@@ -78,10 +81,12 @@ PRIVATE_APIS: tuple[tuple[object, str, str], ...] = (
 )
 
 
-def local_shape_and_offset(param: torch.distributed.tensor.DTensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """This rank's block of a DTensor: its local shape and where it starts in the global tensor, as DTensor itself
-    lays its shards out (uneven and strided shards included)."""
-    return dtensor_utils.compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+def local_shape_and_offset(param: torch.distributed.tensor.DTensor, coordinate: tuple[int, ...]
+                           ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The block of a DTensor the rank at ``coordinate`` of its mesh holds: its local shape and where it starts in
+    the global tensor, as DTensor itself lays its shards out (uneven and strided shards included)."""
+    return dtensor_utils._compute_local_shape_and_global_offset(param.shape, param.device_mesh.shape,
+                                                                list(coordinate), param.placements)
 
 
 # Imported only when used: importing it registers the "fake" c10d backend. (module, attribute, why)
