@@ -130,3 +130,25 @@ def test_the_plan_names_what_muon_takes_and_bad_input_is_one_line(capsys):
         assert len(errors) == 1 and message in errors[0], (args, errors)
     with pytest.raises(ConfigError, match="found no block matrix to train"):  # a stage holding none of them
         build_muon(_debug_model(), _muon_config("--optimizer.muon_exclude", '["layers."]'))
+
+
+def test_the_dry_run_prices_muon_state_owners_and_all_to_alls(tmp_path):
+    """4 ranks of the 2-block debug model on H100s: Muon keeps one momentum buffer per matrix block where AdamW
+    keeps two (the matrices' share of the state halves), the 14 matrices are owned over the 4 ranks, and the two
+    all-to-alls are priced in the optimizer step."""
+    from tests.test_dry_run import dry_run
+
+    common = ("--config", "llama3_debug.toml", "--model.n_layers", "2", "--dry_run.world_size", "4",
+              "--dry_run.device", "h100")
+    (adamw_proc, adamw), (muon_proc, muon) = (dry_run(tmp_path / name, *common, *extra)
+                                              for name, extra in (("adamw", ()), ("muon", ("--optimizer.name", "Muon"))))
+    assert adamw_proc.returncode == 0 and muon_proc.returncode == 0, muon_proc.stderr[-2000:]
+    matrices, _, _ = split_parameters(_debug_model(2).named_parameters())
+    matrix_bytes = sum(p.numel() for _, p in matrices) * 4 // 4  # fp32, sharded over 4 ranks
+    saved = adamw["memory_bytes"]["optimizer_state"] - muon["memory_bytes"]["optimizer_state"]
+    assert abs(saved - matrix_bytes) <= 4096, (saved, matrix_bytes)  # one moment of every matrix, less
+    assert muon["muon"]["matrices"] == 14 and muon["muon"]["owners"] == 4 and muon["muon"]["seconds"] > 0
+    kinds = {(c["kind"], c["dtype"]) for c in muon["collectives_per_step"]}
+    assert {("all_to_all", "float32"), ("all_to_all", "bfloat16")} <= kinds  # blocks to owners; results back
+    assert muon["time_seconds"]["optimizer"] > adamw["time_seconds"]["optimizer"] + muon["muon"]["seconds"] * 0.99
+    assert "Muon: Newton-Schulz" in muon_proc.stdout

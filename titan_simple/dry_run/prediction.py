@@ -34,6 +34,7 @@ attention at half, recomputation included).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import defaultdict
 from dataclasses import asdict, dataclass
@@ -44,6 +45,7 @@ import torch
 from titan_simple.core.plan import RunPlan
 from titan_simple.dry_run.hardware import DeviceSpec
 from titan_simple.dry_run.mesh_dims import MeshDim, mesh_dims
+from titan_simple.dry_run.muon_pricing import newton_schulz_cost
 from titan_simple.dry_run.rank_step import RankTrace
 from titan_simple.dry_run.tracer import Collective, OpCost
 from titan_simple.models.llama3 import count_parameters, flops_per_token
@@ -262,7 +264,9 @@ def measure_trace(run: RunPlan, trace: RankTrace, spec: DeviceSpec, dim_of_group
     by_category: dict[str, float] = defaultdict(float)
     for op in step_ops:
         by_category[op.category] += seconds_of(op)
-    optimizer_s = sum(seconds_of(op) for op in trace.ops if op.phase == "optimizer")
+    # the optimizer's own ops; Muon's Newton-Schulz matmuls (its only ones) are priced whole (muon_pricing.py)
+    optimizer_s = sum(seconds_of(op) for op in trace.ops if op.phase == "optimizer"
+                      and not (run.muon is not None and op.category == "matmul"))
 
     rows: dict[tuple[str, str, str], dict[str, float]] = defaultdict(_new_row)
     dp_comm_pass = exposed_pass = other_pass = dp_once_s = 0.0
@@ -346,7 +350,8 @@ def _collective_rows(m: Measured, run: RunPlan, spec: DeviceSpec, world: int) ->
     mdims = mesh_dims(run.dims, spec.gpus_per_node)
     return [
         {"mesh_dim": d, "size": mdims[d].size if d in mdims else world,
-         "link": (spec.intra_node_link if mdims[d].intra_node else "inter-node") if d in mdims else "?", "kind": k,
+         "link": (spec.intra_node_link if (mdims[d].intra_node if d in mdims else world <= spec.gpus_per_node)
+                  else "inter-node"), "kind": k,
          "dtype": dt, "count": int(v["count"]), "bytes": int(v["bytes"]), "seconds": v["seconds"],
          # What [compile] bucketing = "transformer_block" merges them into (one collective per bucket).
          "count_bucketed": (int(v["once"]) + round((v["count"] - v["once"]) * m.buckets / m.parameter_tensors)
@@ -355,9 +360,9 @@ def _collective_rows(m: Measured, run: RunPlan, spec: DeviceSpec, world: int) ->
     ]
 
 
-def _step_time(run: RunPlan, m: Measured, passes: int) -> dict[str, float]:
+def _step_time(run: RunPlan, m: Measured, passes: int, newton_schulz_s: float = 0.0) -> dict[str, float]:
     """The step's seconds by part: ``passes`` traced microbatches, the data-parallel traffic compute does not
-    hide, the pipeline bubble, the optimizer."""
+    hide, the pipeline bubble, the optimizer (with Muon's orthogonalizations on their slowest owner)."""
     plan = run.pipeline
     compute_pass, dp_comm_pass = m.compute_pass, m.dp_comm_pass
     if comm_overlapped(run):
@@ -383,8 +388,8 @@ def _step_time(run: RunPlan, m: Measured, passes: int) -> dict[str, float]:
         "tensor_parallel_and_other_comm_exposed": passes * m.exposed_pass,
         "pipeline_send_recv": passes * m.p2p_pass,
         "pipeline_bubble": bubble,
-        "optimizer": m.optimizer_seconds,
-        "step": passes * pass_s + bubble + m.optimizer_seconds + dp_once_exposed,
+        "optimizer": m.optimizer_seconds + newton_schulz_s,
+        "step": passes * pass_s + bubble + m.optimizer_seconds + newton_schulz_s + dp_once_exposed,
     }
 
 
@@ -399,7 +404,8 @@ def finish_report(run: RunPlan, pp_rank: int, rank: int, m: Measured, spec: Devi
     chunks = in_flight_chunks(plan, pp_rank)
     memory = _memory(m, chunks, spec)
 
-    time = _step_time(run, m, passes)
+    muon = newton_schulz_cost(run, spec)
+    time = _step_time(run, m, passes, muon.seconds if muon is not None else 0.0)
     step_s = time["step"]
     roofline_tokens_per_gpu = run.global_tokens / world / step_s
     tokens_per_gpu = roofline_tokens_per_gpu * spec.achieved_fraction
@@ -427,6 +433,7 @@ def finish_report(run: RunPlan, pp_rank: int, rank: int, m: Measured, spec: Devi
         "async_tensor_parallel": ({"fused_collectives_per_pass": int(sum(m.fused_tp.values())),
                                    "fused": {k: int(v) for k, v in m.fused_tp.items()}}
                                   if run.compile.async_tensor_parallel else None),
+        "muon": None if muon is None else dataclasses.asdict(muon),
         "memory_bytes": memory["bytes"],
         "peak_at": memory["peak_at"],
         "fits": memory["fits"],

@@ -60,7 +60,7 @@ def _time_lines(r: dict[str, Any]) -> list[str]:
         tp_line,
         f"    pipeline send/recv         {ts['pipeline_send_recv'] * 1e3:>10.1f} ms",
         f"    pipeline bubble            {ts['pipeline_bubble'] * 1e3:>10.1f} ms",
-        f"    optimizer step             {ts['optimizer'] * 1e3:>10.1f} ms",
+        f"    optimizer step             {ts['optimizer'] * 1e3:>10.1f} ms{_muon_note(r)}",
         f"    step                       {ts['step'] * 1e3:>10.1f} ms",
         f"  roofline: {r['roofline_tokens_per_second_per_gpu']:,.0f} tokens/s/GPU; predicted (x "
         f"{r['tokens_per_second_per_gpu'] / r['roofline_tokens_per_second_per_gpu']:.3f}, fitted): "
@@ -101,3 +101,11 @@ def write_json(folder: str, name: str, data: dict[str, Any]) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
     print(f"  written: {path}", flush=True)
+
+
+def _muon_note(report: dict) -> str:
+    muon = report.get("muon")
+    if not muon:
+        return ""
+    return (f" (Muon: Newton-Schulz {muon['seconds'] * 1e3:.1f} ms on the slowest of {muon['owners']} owners of "
+            f"{muon['matrices']} matrices, {muon['imbalance']:.2f}x the mean)")
