@@ -140,8 +140,8 @@ def test_the_dry_run_prices_muon_state_owners_and_all_to_alls(tmp_path):
 
     common = ("--config", "llama3_debug.toml", "--model.n_layers", "2", "--dry_run.world_size", "4",
               "--dry_run.device", "h100")
-    (adamw_proc, adamw), (muon_proc, muon) = (dry_run(tmp_path / name, *common, *extra)
-                                              for name, extra in (("adamw", ()), ("muon", ("--optimizer.name", "Muon"))))
+    adamw_proc, adamw = dry_run(tmp_path / "adamw", *common)
+    muon_proc, muon = dry_run(tmp_path / "muon", *common, "--optimizer.name", "Muon")
     assert adamw_proc.returncode == 0 and muon_proc.returncode == 0, muon_proc.stderr[-2000:]
     matrices, _, _ = split_parameters(_debug_model(2).named_parameters())
     matrix_bytes = sum(p.numel() for _, p in matrices) * 4 // 4  # fp32, sharded over 4 ranks
