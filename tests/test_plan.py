@@ -120,6 +120,22 @@ def test_packages_import_only_lower_layers():
     assert upward == []
 
 
+def test_every_module_imports():
+    """Every module of the package imports (a lazily imported one too: the layout search's broke unseen once)."""
+    import importlib
+    import pkgutil
+
+    import titan_simple
+
+    failed = {}
+    for module in pkgutil.walk_packages(titan_simple.__path__, "titan_simple."):
+        try:
+            importlib.import_module(module.name)
+        except Exception as error:  # noqa: BLE001 -- every failure is reported
+            failed[module.name] = f"{type(error).__name__}: {error}"
+    assert failed == {}
+
+
 def test_no_import_cycle():
     edges = _titan_imports()
     state: dict[str, int] = {}  # 1: on the current path, 2: done

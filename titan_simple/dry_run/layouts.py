@@ -13,7 +13,8 @@ import copy
 import itertools
 from dataclasses import dataclass
 
-from titan_simple.config import JobConfig, _set, validate
+from titan_simple.config import JobConfig, validate
+from titan_simple.config.loading import _set
 from titan_simple.core.plan import RunPlan, resolve_plan
 from titan_simple.errors import ConfigError
 from titan_simple.models.llama3 import ModelArgs
