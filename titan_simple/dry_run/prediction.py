@@ -253,6 +253,17 @@ def _pipeline_send_recv(run: RunPlan, trace: RankTrace, rows: dict[tuple[str, st
     return total
 
 
+def _compute_seconds(run: RunPlan, trace: RankTrace, step_ops: list, seconds_of) -> tuple[dict[str, float], float]:
+    """The step's compute seconds by op category, and the optimizer's own ops' seconds (Muon's Newton-Schulz
+    matmuls, its only ones, are left out: muon_pricing.py prices them whole)."""
+    by_category: dict[str, float] = defaultdict(float)
+    for op in step_ops:
+        by_category[op.category] += seconds_of(op)
+    optimizer_s = sum(seconds_of(op) for op in trace.ops if op.phase == "optimizer"
+                      and not (run.muon is not None and op.category == "matmul"))
+    return by_category, optimizer_s
+
+
 def measure_trace(run: RunPlan, trace: RankTrace, spec: DeviceSpec, dim_of_group: dict[str, str]) -> Measured:
     """The sums and maxima of ``trace`` that the report is built from (``Measured``)."""
     dims, plan = run.dims, run.pipeline
@@ -261,12 +272,7 @@ def measure_trace(run: RunPlan, trace: RankTrace, spec: DeviceSpec, dim_of_group
     compiled = run.compile.enabled
     seconds_of = functools.partial(op_seconds, spec=spec, compiled=compiled)
     step_ops = [op for op in trace.ops if op.phase != "optimizer"]
-    by_category: dict[str, float] = defaultdict(float)
-    for op in step_ops:
-        by_category[op.category] += seconds_of(op)
-    # the optimizer's own ops; Muon's Newton-Schulz matmuls (its only ones) are priced whole (muon_pricing.py)
-    optimizer_s = sum(seconds_of(op) for op in trace.ops if op.phase == "optimizer"
-                      and not (run.muon is not None and op.category == "matmul"))
+    by_category, optimizer_s = _compute_seconds(run, trace, step_ops, seconds_of)
 
     rows: dict[tuple[str, str, str], dict[str, float]] = defaultdict(_new_row)
     dp_comm_pass = exposed_pass = other_pass = dp_once_s = 0.0
