@@ -2,7 +2,7 @@
 
 * ``REPO`` / ``TRAIN_PY``: the checkout's root and its ``train.py``.
 * The tiny jobs' overrides, one constant per shape some test depends on (``DEBUG``, ``TWO_BLOCKS``, ``SMALL``,
-  ``ONE_ROW``, ``FIRST_HOUR_JOB``, ``COMPILED_JOB``); a test adds what its own assertions need.
+  ``ONE_ROW``, ``FIRST_HOUR_JOB``, ``FOUR_STEPS``, ``COMPILED_JOB``); a test adds what its own assertions need.
 * ``job_env``: the environment of a command a test starts (one OpenMP thread per process, Hugging Face offline).
 * ``run_python`` / ``train_py``: ``python ARGS`` (under ``torchrun --standalone`` when ``nproc`` > 1) from the
   repo root, waited for; it must exit with ``expect`` (0 unless told), else the assertion shows the command, its
@@ -60,6 +60,10 @@ ONE_ROW = (*DEBUG, "--training.seq_len", "32", "--training.local_batch_size", "1
 FIRST_HOUR_GLOBAL_BATCH = 8
 FIRST_HOUR_JOB = (*TWO_BLOCKS, "--training.steps", "10", "--training.global_batch_size", str(FIRST_HOUR_GLOBAL_BATCH),
                   *NO_TENSORBOARD)
+# A finished run of the whole debug model that tests read back (tests/test_dashboard.py, tests/test_generate.py):
+# 4 steps logged at 1, 2 and 4.
+FOUR_STEPS = (*DEBUG, "--training.steps", "4", "--training.seq_len", "64", "--training.local_batch_size", "2",
+              "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "2")
 # The compiled job of the compile-cache tests (tests/test_compile_cache.py, tests/test_compile_once.py).
 COMPILED_JOB = (*TWO_BLOCKS, "--training.local_batch_size", "2", "--compile.enable", "--lr_scheduler.warmup_steps", "1")
 

@@ -14,13 +14,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.harness import DEBUG, REPO, free_port, job_env, one_torch_thread, read_metrics
+from tests.harness import FOUR_STEPS, REPO, free_port, job_env, one_torch_thread, read_metrics
 from titan_simple.config import JobConfig, load_job_config
 from titan_simple.trainer import metrics as m
 from titan_simple.trainer.trainer import Trainer
 
-TINY = (*DEBUG, "--training.steps", "4", "--training.seq_len", "64", "--training.local_batch_size", "2",
-        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "2")
 # Validation (another part of issue 8) is switched on where the config knows it.
 VALIDATION = ["--validation.enable", "--validation.freq", "2", "--validation.steps", "1",
               "--validation.local_batch_size", "2"]
@@ -33,7 +31,7 @@ def finished_run(tmp_path_factory) -> tuple[Path, list[dict]]:
     dump = tmp_path_factory.mktemp("run")
     extra = VALIDATION if hasattr(JobConfig(), "validation") else []
     with one_torch_thread():
-        Trainer(load_job_config([*TINY, *extra, "--job.dump_folder", str(dump)])).train()
+        Trainer(load_job_config([*FOUR_STEPS, *extra, "--job.dump_folder", str(dump)])).train()
     return dump, read_metrics(dump)
 
 

@@ -12,7 +12,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from tests.harness import DEBUG, NO_TENSORBOARD, REPO, load_script, one_torch_thread, run_python
+from tests.harness import DEBUG, FOUR_STEPS, NO_TENSORBOARD, REPO, load_script, one_torch_thread, run_python
 from titan_simple.config import load_job_config
 from titan_simple.data.tokenizer import Tokenizer
 from titan_simple.errors import ConfigError
@@ -24,10 +24,8 @@ from titan_simple.models.rope import LLAMA31_ROPE
 from titan_simple.trainer.checkpoint import export_hf, load_model_weights
 from titan_simple.trainer.trainer import Trainer
 
-STEPS = 4
-TINY = (*DEBUG, "--training.steps", str(STEPS), "--training.seq_len", "64", "--training.local_batch_size", "2",
-        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "2", *NO_TENSORBOARD, "--checkpoint.enable",
-        "--checkpoint.last_save_in_hf")
+STEPS = 4  # FOUR_STEPS's
+TINY = (*FOUR_STEPS, *NO_TENSORBOARD, "--checkpoint.enable", "--checkpoint.last_save_in_hf")
 PROMPT = "ROMEO:"
 GENERATE_PY = REPO / "scripts" / "generate.py"
 
