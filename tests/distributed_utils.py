@@ -13,8 +13,8 @@ child's traceback; a rank that dies without reporting (segfault, abort) fails th
 Every rank ends with ``dist.barrier(); dist.destroy_process_group()``: gloo occasionally aborts at interpreter
 exit otherwise.
 
-In-process helpers: ``single_rank_process_group()`` (a gloo default group of one rank for the block) and
-``free_port()`` (a loopback port nobody listens on, for servers and rendezvous the tests start).
+In-process helper: ``single_rank_process_group()`` (a gloo default group of one rank for the block). What tests
+share to start the project's commands (and ``free_port``) is in tests/harness.py.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import contextlib
 import os
 import pickle
 import queue
-import socket
 import tempfile
 import traceback
 from collections.abc import Callable, Iterator, Sequence
@@ -34,13 +33,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from titan_simple.parallel.torch_private import use_one_gloo_worker_thread
-
-
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (bound once and released, so another process may still take it first)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from tests.harness import one_torch_thread
 from titan_simple.config import JobConfig, load_job_config
 from titan_simple.core.assemble import Run, build_run
 from titan_simple.core.plan import resolve_plan
@@ -169,13 +170,9 @@ def train_steps(layout: Run, recipe: Recipe, steps: int | None = None, keep_grad
 def train_reference(recipe: Recipe, *overrides: str, keep_grads: bool = True) -> dict:
     """The single-process reference: the whole global batch on one process, one thread (as each rank of a
     2-process job has; on a busy 2-core machine two OpenMP threads made these steps 40x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         config = recipe.config(f"--training.local_batch_size={recipe.global_batch}", *overrides)
         return train_steps(build_layout(config), recipe, keep_grads=keep_grads)
-    finally:
-        torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------------------------- comparing

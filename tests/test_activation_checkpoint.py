@@ -4,10 +4,8 @@ and what it does under tensor parallel (sequence-parallel inputs gathered again 
 from __future__ import annotations
 
 import collections
+import functools
 import json
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -15,11 +13,11 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from tests.harness import DEBUG, train_py, two_at_a_time
 from tests.parity import Recipe, build_layout, train_steps
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, TransformerBlock, precompute_freqs_cis
 from titan_simple.parallel.activation_checkpoint import SelectiveOpPolicy, apply_checkpoint
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
 SAVE, RECOMPUTE = CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -152,12 +150,9 @@ def _tp_dry_run(tmp_path: Path, tp: int, *ac: str) -> tuple[dict[tuple[str, str]
     """The dry run's trace of one step of one rank of 4 (dp4, or dp2 x tp2), recomputation included: the
     collectives per step and the activation bytes."""
     folder = tmp_path / f"tp{tp}_{'_'.join(ac or ('none',)).replace('-', '')}"
-    subprocess.run(
-        [sys.executable, "train.py", "--dry_run", "--config", "llama3_debug.toml", "--dry_run.world_size", "4",
-         "--dry_run.device", "h100", "--parallelism.tensor_parallel_degree", str(tp), "--training.seq_len", "512",
-         "--training.local_batch_size", "2", "--job.dump_folder", str(folder), *ac],
-        cwd=PROJECT_DIR, check=True, capture_output=True, timeout=600,
-    )
+    train_py("--dry_run", *DEBUG, "--dry_run.world_size", "4", "--dry_run.device", "h100",
+             "--parallelism.tensor_parallel_degree", str(tp), "--training.seq_len", "512",
+             "--training.local_batch_size", "2", "--job.dump_folder", folder, *ac)
     report = json.loads((folder / "dry_run.json").read_text())
     collectives = collections.Counter()
     for c in report["collectives_per_step"]:
@@ -175,9 +170,8 @@ def test_selective_op_ac_regathers_sequence_parallel_inputs_and_keeps_sequence_s
     op = ("--activation_checkpoint.mode=selective",)
     settings = [(2,), *[(2, *op, f"--activation_checkpoint.selective_ac_option={o}") for o in ("op", "op_all_matmuls")],
                 (2, "--activation_checkpoint.mode=full"), (1, *op)]
-    with ThreadPoolExecutor(2) as pool:  # each dry run is one single-threaded process: two at a time
-        (plain, _), *selective, (full, _), (_, tp1_activations) = pool.map(
-            lambda s: _tp_dry_run(tmp_path, *s), settings)
+    (plain, _), *selective, (full, _), (_, tp1_activations) = two_at_a_time(
+        [functools.partial(_tp_dry_run, tmp_path, *s) for s in settings])
     tp = {key: n for key, n in plain.items() if key[0] == "tp"}
     assert tp and all(n > 0 for n in tp.values())
     blocks = 6

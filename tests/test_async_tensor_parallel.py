@@ -11,20 +11,17 @@ async TP, finds exactly those in its eager trace.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from tests.distributed_utils import run_on_ranks
+from tests.harness import DEBUG, train_py
 from tests.parity import Recipe, build_layout, train_steps
 from titan_simple.compile.inductor_private import async_tensor_parallel_options, rank_local_compile_options
 from titan_simple.config import load_job_config
 from titan_simple.core.plan import resolve_plan
 from titan_simple.errors import ConfigError
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
 TP2 = ("--parallelism.tensor_parallel_degree=2", "--parallelism.data_parallel_shard_degree=1")
 
 
@@ -91,13 +88,9 @@ def test_dry_run_prices_exactly_the_collectives_inductor_would_fuse(tmp_path):
     assert compiled == [(5, 4), (4, 1)]
 
     folder = tmp_path / "dump"
-    proc = subprocess.run(
-        [sys.executable, "train.py", "--config", "llama3_debug.toml", "--dry_run", "--dry_run.world_size", "2",
-         "--dry_run.device", "h100", "--job.dump_folder", str(folder), *TP2, "--compile.enable",
-         "--parallelism.enable_async_tensor_parallel", "--training.mixed_precision_param=float32", *BLOCKS],
-        cwd=PROJECT_DIR, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = train_py(*DEBUG, "--dry_run", "--dry_run.world_size", "2", "--dry_run.device", "h100", "--job.dump_folder",
+                    folder, *TP2, "--compile.enable", "--parallelism.enable_async_tensor_parallel",
+                    "--training.mixed_precision_param=float32", *BLOCKS)
     report = json.loads((folder / "dry_run.json").read_text())
     fused = report["async_tensor_parallel"]["fused"]
     traced = [(fused.get(f"{phase} all_gather", 0), fused.get(f"{phase} reduce_scatter", 0))

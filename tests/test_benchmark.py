@@ -4,31 +4,19 @@ shares (scripts/benchmarks/harness.py): its doc blocks and its metrics reader.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import os
 import re
-import subprocess
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
+from tests.harness import REPO, load_script, run_python
 
-
-def _load_script(name: str):
-    """scripts/benchmarks/<name>.py as the module ``name``, registered (dataclasses need it, and the scripts
-    ``import harness`` as their sibling: Python puts a script's folder on sys.path, pytest does not)."""
-    spec = importlib.util.spec_from_file_location(name, PROJECT_DIR / "scripts" / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-harness = _load_script("harness")
-benchmark = _load_script("benchmark")
+# Registered as their own names: the scripts ``import harness`` as their sibling (Python puts a script's folder on
+# sys.path, pytest does not), so the harness loads first.
+harness = load_script("scripts/benchmarks/harness.py")
+benchmark = load_script("scripts/benchmarks/benchmark.py")
 
 
 def test_matrix_has_every_configuration_the_issue_asks_for():
@@ -187,12 +175,9 @@ def test_table_and_targets():
 def test_quick_tiny_job_end_to_end(tmp_path):
     """One real job: torchrun, 2 ranks, the Trainer, the worker's JSON read back into a report (~30 s)."""
     out = tmp_path / "bench"
-    proc = subprocess.run(
-        [sys.executable, str(PROJECT_DIR / "scripts" / "benchmarks" / "benchmark.py"), "--quick", "--workloads=tiny",
-         "--world-sizes=2", "--configs=fsdp2_eager", "--steps=1", f"--out={out}", f"--plot={tmp_path / 'b.png'}"],
-        capture_output=True, text=True, timeout=300, cwd=PROJECT_DIR,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_python(REPO / "scripts" / "benchmarks" / "benchmark.py", "--quick", "--workloads=tiny", "--world-sizes=2",
+               "--configs=fsdp2_eager", "--steps=1", f"--out={out}", f"--plot={tmp_path / 'b.png'}", env=os.environ,
+               timeout=300)  # the user's environment: the benchmark sets its jobs' own
     raw = json.loads((out / "results.json").read_text())
     assert len(raw) == 1
     s = raw[0]["summary"]
@@ -244,10 +229,10 @@ def test_a_missing_marker_is_one_clear_error(tmp_path):
 def test_every_doc_marker_a_benchmark_names_is_in_the_docs():
     """A rerun finds its block: every marker string a script under scripts/benchmarks holds is in a doc (a missing
     block is an error, no longer appended at the end of the doc)."""
-    markers = {m for script in (PROJECT_DIR / "scripts" / "benchmarks").glob("*.py")
+    markers = {m for script in (REPO / "scripts" / "benchmarks").glob("*.py")
                for m in re.findall(r"\"(<!-- [^\"]*? -->)\"", script.read_text())}
     assert len(markers) >= 18, markers  # 9 scripts, a begin and an end each
-    docs = "".join(p.read_text() for p in (PROJECT_DIR / "docs").glob("*.md"))
+    docs = "".join(p.read_text() for p in (REPO / "docs").glob("*.md"))
     assert sorted(m for m in markers if m not in docs) == []
 
 
@@ -260,7 +245,7 @@ def test_metrics_are_read_from_a_dump_folder_skipping_a_cut_line(tmp_path):
 def test_a_job_runs_from_the_repo_root_with_the_benchmark_environment():
     job = harness.launch("-c", "import json, os; print(json.dumps([os.getcwd(), os.environ['OMP_NUM_THREADS'], "
                          "os.environ['PYTHONPATH'].split(os.pathsep)[0]]))")
-    assert job.check("the probe").last_json() == [str(PROJECT_DIR), "1", str(PROJECT_DIR)]
+    assert job.check("the probe").last_json() == [str(REPO), "1", str(REPO)]
     failed = harness.launch("-c", "import sys; sys.exit('broken: 42')")
     with pytest.raises(SystemExit, match=r"the probe failed \(1\):\nbroken: 42"):
         failed.check("the probe")

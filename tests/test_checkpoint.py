@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import importlib.util
 import json
 import logging
 import os
@@ -25,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 import train
 from tests.distributed_utils import run_on_ranks
+from tests.harness import SMALL, load_script
 from titan_simple import generate as generation
 from titan_simple.config import load_job_config
 from titan_simple.core.step import StepHooks
@@ -67,10 +67,7 @@ from titan_simple.trainer.checkpoint_files import (
 from titan_simple.trainer.distributed import DistInfo
 from titan_simple.trainer.trainer import Trainer
 
-REPO = Path(__file__).resolve().parent.parent
-TINY = ["--config", "llama3_debug.toml", "--training.seq_len", "32", "--training.local_batch_size", "2",
-        "--lr_scheduler.warmup_steps", "1", "--lr_scheduler.decay_ratio", "0.5", "--metrics.log_freq", "100",
-        "--metrics.enable_tensorboard", "false"]
+TINY = (*SMALL, "--lr_scheduler.decay_ratio", "0.5", "--metrics.log_freq", "100")
 
 
 def make_trainer(dump: Path, *extra: str, steps: int = 6, dist_info: DistInfo | None = None) -> Trainer:
@@ -331,10 +328,7 @@ def names_in(folder: Path) -> list[str]:
 
 
 def run_export_script(*argv: str) -> int:
-    spec = importlib.util.spec_from_file_location("export_hf_script", REPO / "scripts" / "export_hf.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script.main(list(argv))
+    return load_script("scripts/export_hf.py", "export_hf_script").main(list(argv))
 
 
 def test_an_export_replaces_a_sharded_folders_whole_weight_set_and_keeps_its_other_files(tmp_path, capsys):

@@ -8,20 +8,17 @@ import json
 import os
 import pickle
 import re
-import subprocess
-import sys
-from pathlib import Path
+import shutil
 
 import pytest
 
+from tests.harness import train_compiled
 from titan_simple.compile.cache import use_compile_cache
 from titan_simple.compile.comm_plan import CommPlanRecorder
 from titan_simple.compile.compiler import _OverlapPass
 from titan_simple.config import load_job_config
 from titan_simple.core.plan import cpu_has_native_bf16, resolve_plan
 from titan_simple.parallel import activation_checkpoint as ac
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def _pass(**settings) -> _OverlapPass:
@@ -92,59 +89,47 @@ def test_the_cache_folder_is_the_configured_one_unless_the_environment_names_one
 
 # ------------------------------------------------------------------------------ end to end, 2 processes
 
-# Two blocks: every block compiles to the same kernels, and the graphs' compile time grows with depth.
-RUN = ["--model.n_layers", "2", "--training.seq_len", "64", "--training.local_batch_size", "2",
-       "--metrics.log_freq", "1", "--training.mixed_precision_param", "float32", "--compile.enable",
-       "--lr_scheduler.warmup_steps", "1"]
 # A torch warning of a rank: "[rank0]:W1125 ..." (torch's logging) or "...: UserWarning: ..." (Python's). The
 # launcher's own banner (torch/distributed/run.py: "Setting OMP_NUM_THREADS ...") is not a rank's.
 TORCH_WARNING = re.compile(r"^\[rank\d+\]:[WE]\d{4}|Warning:|warnings\.warn")
 
 
-def _torchrun(dump: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}  # the default: under dump
-    env.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-               str(REPO / "train.py"), "--config", "llama3_debug.toml", *RUN, "--job.dump_folder", str(dump), *extra]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc
-
-
-def _cache_line(proc: subprocess.CompletedProcess) -> str:
-    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "compile cache:" in line]
+def _cache_line(output: str) -> str:
+    lines = [line for line in output.splitlines() if "compile cache:" in line]
     assert len(lines) == 1, lines
     return lines[0]
 
 
 @pytest.mark.slow
-def test_a_resumed_run_reuses_the_compiled_graphs_and_a_changed_one_compiles(tmp_path):
-    dump = tmp_path / "run"
-    checkpoint = ["--checkpoint.enable", "--checkpoint.interval", "2"]
-    first = _torchrun(dump, "--training.steps", "2", *checkpoint)
-    assert re.search(rf"compile cache: compiled 2 graphs \({re.escape(str(dump / 'compile_cache'))}\)",
+def test_a_resumed_run_reuses_the_compiled_graphs_and_a_changed_one_compiles(compiled_job, tmp_path):
+    """The first run is the session's ``compiled_job`` (tests/conftest.py: 3 steps, a checkpoint at steps 2 and 3,
+    its cache under its dump folder); this test resumes a copy of it for one more step."""
+    shared, first = compiled_job
+    assert re.search(rf"compile cache: compiled 2 graphs \({re.escape(str(shared / 'compile_cache'))}\)",
                      _cache_line(first))
-    warnings = [line for line in (first.stdout + first.stderr).splitlines() if TORCH_WARNING.search(line)]
+    warnings = [line for line in first.splitlines() if TORCH_WARNING.search(line)]
     assert warnings == []  # a quiet start: the ranks print no torch warning
+    dump = tmp_path / "run"
+    shutil.copytree(shared, dump)
     plan = json.loads((dump / "comm_plan.json").read_text())
     assert plan["graphs"]["forward"] and plan["graphs"]["backward"]
     (dump / "comm_plan.json").unlink()
     (dump / "comm_plan.txt").unlink()
 
-    resumed = _torchrun(dump, "--training.steps", "3", *checkpoint)
-    output = resumed.stdout + resumed.stderr
-    assert "resum" in output.lower()
+    checkpoint = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+    resumed = train_compiled(dump, "--training.steps", "4", *checkpoint)
+    assert "resum" in resumed.lower()
     line = _cache_line(resumed)
     assert "reused all 2 compiled graphs" in line and "comm plan restored from the cache" in line, line
     assert json.loads((dump / "comm_plan.json").read_text())["graphs"] == plan["graphs"]
-    assert [line for line in output.splitlines() if TORCH_WARNING.search(line)] == []
+    assert [line for line in resumed.splitlines() if TORCH_WARNING.search(line)] == []
 
     # Another setting of our pass is another graph: the same cache folder, no graph reused (the C++ kernels of
     # the same fusions are, which a new sequence length would build again with g++).
-    other = _torchrun(tmp_path / "other", "--training.steps", "1", "--compile.reorder", "false",
-                      "--compile.cache_dir", str(dump / "compile_cache"))
+    other = train_compiled(tmp_path / "other", "--training.steps", "1", "--compile.reorder", "false",
+                           "--compile.cache_dir", str(dump / "compile_cache"))
     assert "compile cache: compiled 2 graphs" in _cache_line(other)
     # ... and the start says why, once: the folder last held the first run's graphs, another recipe.
-    why = [line for line in (other.stdout + other.stderr).splitlines() if "compile again" in line]
+    why = [line for line in other.splitlines() if "compile again" in line]
     assert len(why) == 1 and "(layout and recipe changed)" in why[0], why
-    assert not any("compile again" in line for line in (resumed.stdout + resumed.stderr).splitlines())
+    assert not any("compile again" in line for line in resumed.splitlines())

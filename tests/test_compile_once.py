@@ -8,45 +8,38 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
+import shutil
 import threading
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.harness import (
+    AVG_LOSS,
+    COMPILED_JOB,
+    DEBUG,
+    compile_cache_env,
+    read_metrics,
+    run_python,
+    train_compiled,
+    train_py,
+)
 from titan_simple.compile.cache import LAST_COMPILE, describe_recompile
 
-REPO = Path(__file__).resolve().parent.parent
-RUN = ["--config", "llama3_debug.toml", "--model.n_layers", "2", "--training.seq_len", "64",
-       "--training.local_batch_size", "2", "--metrics.log_freq", "1", "--training.mixed_precision_param", "float32",
-       "--compile.enable", "--lr_scheduler.warmup_steps", "1", "--training.steps", "3"]
+RUN = (*COMPILED_JOB, "--training.steps", "3")
 SUMMARY = re.compile(r"compile once \((?P<folder>[^)]*)\): (?P<text>.*)$", re.MULTILINE)
 
 
-def _env(threads: str | None = "1") -> dict[str, str]:
-    # Each job's own cache folder ([compile] cache_dir), not the suite's shared one, with torch's caches allowed
-    # (an environment that forces them off turns compile once off). threads=None: OMP_NUM_THREADS unset, as in the
-    # docs' commands (torchrun then sets 1 for each of its workers).
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHINDUCTOR_CACHE_DIR", "OMP_NUM_THREADS")}
-    env.update(TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="1")
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = threads
-    return env
-
-
 def _torchrun(dump: Path, cache: Path, *extra: str, ranks: int = 2, threads: str | None = "1") -> str:
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", "--standalone",
-               str(REPO / "train.py"), *RUN, "--job.dump_folder", str(dump), "--compile.cache_dir", str(cache), *extra]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=_env(threads), cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stdout + proc.stderr
+    """``RUN`` on ``ranks`` ranks with its graphs in ``cache``, each job's own folder, not the suite's shared one
+    (``compile_cache_env``)."""
+    return train_compiled(dump, "--training.steps", "3", "--compile.cache_dir", cache, *extra, nproc=ranks,
+                          threads=threads)
 
 
 def _losses(dump: Path) -> list[tuple[float, float]]:
-    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    return [(r["loss_metrics/global_avg_loss"], r["grad_norm"]) for r in records]
+    return [(r[AVG_LOSS], r["grad_norm"]) for r in read_metrics(dump)]
 
 
 def _summary(output: str) -> str:
@@ -55,16 +48,10 @@ def _summary(output: str) -> str:
     return found[0][1]
 
 
-@pytest.fixture(scope="module")
-def once_run(tmp_path_factory) -> tuple[Path, str]:
-    """A 2-rank compiled job that compiles once (the default): (dump folder, output)."""
-    root = tmp_path_factory.mktemp("once")
-    return root, _torchrun(root / "dump", root / "cache")
-
-
 @pytest.mark.slow
-def test_one_rank_compiles_and_the_other_loads_bitwise_equal_to_every_rank_compiling(once_run, tmp_path):
-    root, output = once_run
+def test_one_rank_compiles_and_the_other_loads_bitwise_equal_to_every_rank_compiling(compiled_job, tmp_path):
+    """The job that compiles once (the default) is the session's ``compiled_job`` (tests/conftest.py)."""
+    dump, output = compiled_job
     summary = _summary(output)
     # Rank 0 compiled the forward and the backward graph; rank 1 loaded both and compiled none.
     assert re.match(r"rank 0 compiled 2 and loaded 0 FX graphs \(1 Dynamo graphs, [\d.]+ s\); rank\(s\) 1 "
@@ -72,21 +59,19 @@ def test_one_rank_compiles_and_the_other_loads_bitwise_equal_to_every_rank_compi
     every = tmp_path / "every"
     output_every = _torchrun(every, tmp_path / "cache_every", "--compile.compile_on_one_rank", "false")
     assert not SUMMARY.search(output_every)
-    assert _losses(root / "dump") == _losses(every)  # losses and grad norms, every step, bitwise
+    assert _losses(dump) == _losses(every)  # losses and grad norms, every step, bitwise
     assert len(_losses(every)) == 3
 
 
 @pytest.mark.slow
-def test_a_precompiled_job_compiles_nothing_and_trains_bitwise_the_same(once_run, tmp_path):
+def test_a_precompiled_job_compiles_nothing_and_trains_bitwise_the_same(compiled_job, tmp_path):
     """As the docs say it, with no OMP_NUM_THREADS anywhere: the precompile compiles for one thread per rank, what
     torchrun gives each of its 2 workers (Inductor's CPU kernels are keyed by the count; compiled with this
     machine's default instead, every graph compiled again)."""
-    root, _ = once_run
+    dump, _ = compiled_job
     cache = tmp_path / "cache"
-    command = [sys.executable, str(REPO / "train.py"), *RUN, "--job.dump_folder", str(tmp_path / "pre"),
-               "--compile.cache_dir", str(cache), "--compile.precompile_world_size", "2"]
-    pre = subprocess.run(command, capture_output=True, text=True, timeout=1200, env=_env(threads=None), cwd=REPO)
-    assert pre.returncode == 0, pre.stderr[-4000:]
+    pre = train_py(*RUN, "--job.dump_folder", tmp_path / "pre", "--compile.cache_dir", cache,
+                   "--compile.precompile_world_size", "2", env=compile_cache_env(threads=None), timeout=1200)
     assert re.search(r"precompile: rank 0 of 2: compiled 2 FX graphs, found 0", pre.stderr), pre.stderr[-3000:]
     assert "compiling for 1 CPU thread(s) per rank (torchrun sets OMP_NUM_THREADS=1" in pre.stderr
     assert "and OMP_NUM_THREADS=1 loads these graphs" in pre.stderr
@@ -97,15 +82,14 @@ def test_a_precompiled_job_compiles_nothing_and_trains_bitwise_the_same(once_run
     assert summary.startswith("rank 0 compiled 0 and loaded 2 FX graphs"), summary
     assert "rank(s) 1 loaded 2 and compiled 0" in summary, summary
     assert "compile again" not in output  # the same fingerprint as the precompile's
-    assert _losses(tmp_path / "job") == _losses(root / "dump")
+    assert _losses(tmp_path / "job") == _losses(dump)
 
 
 @pytest.mark.slow
-def test_a_corrupt_cache_entry_is_compiled_again(once_run, tmp_path):
+def test_a_corrupt_cache_entry_is_compiled_again(compiled_job, tmp_path):
     """Every file of torch's FX graph and AOT autograd caches truncated: the job compiles, says so, trains."""
-    root, _ = once_run
-    cache = tmp_path / "cache"
-    subprocess.run(["cp", "-r", str(root / "cache"), str(cache)], check=True)
+    dump, _ = compiled_job
+    cache = shutil.copytree(dump / "compile_cache", tmp_path / "cache")
     damaged = 0
     for folder in ("fxgraph", "aotautograd"):
         for path in (cache / folder).rglob("*"):
@@ -114,26 +98,25 @@ def test_a_corrupt_cache_entry_is_compiled_again(once_run, tmp_path):
                 damaged += 1
     assert damaged >= 2
     output = _torchrun(tmp_path / "job", cache)
-    assert _losses(tmp_path / "job") == _losses(root / "dump")
+    assert _losses(tmp_path / "job") == _losses(dump)
     assert re.match(r"rank 0 compiled 2", _summary(output)), _summary(output)
 
 
 @pytest.mark.slow
-def test_an_unreadable_comm_plan_copy_is_compiled_again_not_a_crash(once_run, tmp_path):
+def test_an_unreadable_comm_plan_copy_is_compiled_again_not_a_crash(compiled_job, tmp_path):
     """Graphs in torch's cache record no comm plan, so a start that loads them reads the plan's copy; a truncated
     copy (rank 0's) is removed, rank 0 compiles its graphs again without the caches and records the plan anew."""
-    root, _ = once_run
-    cache = tmp_path / "cache"
-    subprocess.run(["cp", "-r", str(root / "cache"), str(cache)], check=True)
+    dump, _ = compiled_job
+    cache = shutil.copytree(dump / "compile_cache", tmp_path / "cache")
     copies = sorted((cache / "titan_simple_comm_plans").glob("*-rank0.json"))
     assert len(copies) == 1
     copies[0].write_text(copies[0].read_text()[:40])
     output = _torchrun(tmp_path / "job", cache)
     assert "comm plan's copy was unreadable (removed); rank 0 compiles its graphs again" in output
     assert _summary(output).startswith("rank 0 compiled every graph without torch's compile caches"), output[-3000:]
-    assert _losses(tmp_path / "job") == _losses(root / "dump")
+    assert _losses(tmp_path / "job") == _losses(dump)
     plan = json.loads((tmp_path / "job" / "comm_plan.json").read_text())["graphs"]
-    assert plan == json.loads((root / "dump" / "comm_plan.json").read_text())["graphs"]
+    assert plan == json.loads((dump / "comm_plan.json").read_text())["graphs"]
     assert json.loads(copies[0].read_text())["graphs"] == plan  # the copy written again
 
 
@@ -193,14 +176,9 @@ def test_a_graph_the_cache_refuses_is_compiled_by_every_rank_without_waiting(tmp
     assert not leader.records[1].unshared and not follower.records[1].unshared
 
 
-def _train_error(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(REPO / "train.py"), "--config", "llama3_debug.toml", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO)
-
-
 def test_precompile_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
     """Each refused before anything is built: the precompile's in this process (train.py's ``main``, as the
-    command runs it, in the environment of ``_env``), the training one through train.py in a process of its own."""
+    command runs it), the training one through train.py in a process of its own (``compile_cache_env``)."""
     import train
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # it would win over [compile] cache_dir
@@ -229,7 +207,7 @@ def test_precompile_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
         if "--compile.precompile_world_size" in args:
             code, stderr = train.main(argv), capsys.readouterr().err
         else:
-            done = _train_error(*argv[2:])
+            done = train_py(*argv, env=compile_cache_env(), timeout=300, expect=None)
             code, stderr = done.returncode, done.stderr
         errors = [line for line in stderr.splitlines() if line.startswith("error:")]
         assert code == 2 and len(errors) == 1 and message in errors[0], (args, stderr[-2000:])
@@ -243,9 +221,8 @@ def test_an_unwritable_cache_variable_is_one_line_even_for_an_eager_run(tmp_path
     eager run: train.py checks the variable first (a 30-line traceback from inside torch's import before)."""
     file = tmp_path / "a_file"
     file.write_text("")
-    env = {**_env(), "TORCHINDUCTOR_CACHE_DIR": str(file / "sub")}
-    done = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", "llama3_debug.toml", "--job.dump_folder",
-                           str(tmp_path / "dump")], capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    env = {**compile_cache_env(), "TORCHINDUCTOR_CACHE_DIR": str(file / "sub")}
+    done = train_py(*DEBUG, "--job.dump_folder", tmp_path / "dump", env=env, timeout=300, expect=None)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         f"error: TORCHINDUCTOR_CACHE_DIR '{file / 'sub'}' cannot be written (Not a directory): choose a folder this "
         "process can write and every rank of the job can read."], done.stderr[-2000:]
@@ -281,7 +258,5 @@ print("LOADED", loaded)
 
 
 def test_an_eager_run_imports_neither_the_compiler_nor_torchao():
-    done = subprocess.run([sys.executable, "-c", EAGER_STEP], capture_output=True, text=True, timeout=300,
-                          env=_env(), cwd=REPO)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python("-c", EAGER_STEP, env=compile_cache_env(), timeout=300)
     assert "LOADED []" in done.stdout and "TORCHAO False" in done.stdout, done.stdout

@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.harness import DEBUG, REPO, TRAIN_PY, run_python, train_py
 from titan_simple.config import help_text, load_job_config
 from titan_simple.errors import ConfigError
 from titan_simple.models.llama3 import LLAMA3_FLAVORS
 from titan_simple.parallel.dims import ParallelDims
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def write(tmp_path: Path, text: str) -> str:
@@ -137,10 +134,8 @@ def test_help_lists_every_key_with_default():
 
 
 def _titan_run(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "titan_simple.trainer.launch", "--nproc_per_node=2", str(REPO / "train.py"),
-               "--config", "llama3_debug.toml", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return run_python("-m", "titan_simple.trainer.launch", "--nproc_per_node=2", TRAIN_PY, *DEBUG, *args,
+                      timeout=300, expect=None)
 
 
 def test_titan_run_reports_a_config_error_in_one_line_before_any_rank_starts():
@@ -159,9 +154,7 @@ def test_titan_run_exits_with_a_ranks_own_error_status_without_a_traceback(tmp_p
     """An error only the ranks find (a corrupt checkpoint): each prints its line, titan-run exits 2 quietly."""
     common = ("--model.n_layers", "1", "--checkpoint.enable", "--checkpoint.interval", "1", "--job.dump_folder",
               str(tmp_path), "--metrics.enable_tensorboard=false")
-    first = subprocess.run([sys.executable, str(REPO / "train.py"), "--config", "llama3_debug.toml",
-                            "--training.steps", "1", *common], capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert first.returncode == 0, first.stderr[-2000:]
+    train_py(*DEBUG, "--training.steps", "1", *common, timeout=300)
     for shard in (tmp_path / "checkpoint" / "step-1").glob("*.distcp"):
         shard.write_bytes(shard.read_bytes()[:100])
     done = _titan_run("--training.steps", "2", *common)
@@ -186,10 +179,7 @@ def test_the_parts_of_torchrun_titan_run_uses_exist():
 
 
 def test_train_py_reports_one_line_and_exit_code_2():
-    result = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "--config", "llama3_debug.toml", "--training.stepz", "1"],
-        capture_output=True, text=True, timeout=60,
-    )
+    result = train_py(*DEBUG, "--training.stepz", "1", timeout=60, expect=None)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: command line: unknown key 'stepz' in [training]. Did you mean 'steps'?"

@@ -10,9 +10,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +17,7 @@ import torch
 from torch.nn.attention.flex_attention import create_mask
 
 from tests.distributed_utils import run_on_ranks
+from tests.harness import DEBUG, NO_TENSORBOARD, TWO_BLOCKS, logged_losses, train_py, two_at_a_time
 from tests.parity import SHARDED_NORM_RTOL, Recipe, assert_parity, build_layout, train_reference, train_steps
 from titan_simple.config import load_job_config
 from titan_simple.core.plan import resolve_plan
@@ -162,40 +160,26 @@ def test_bad_context_parallel_settings_are_one_line_each():
 
 # ---------------------------------------------------------------------------------------------- through train.py
 
-REPO = Path(__file__).resolve().parent.parent
-COMMON = ["--config", "llama3_debug.toml", "--model.n_layers", "2", "--training.seq_len", "64",
-          "--training.local_batch_size", "4", "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
-          "--metrics.enable_tensorboard", "false", "--model.attention_mask", "block_causal"]
+COMMON = (*TWO_BLOCKS, "--training.local_batch_size", "4", *NO_TENSORBOARD, "--model.attention_mask", "block_causal")
 
 
-def _train(dump: Path, nproc: int, *extra: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
-                if nproc > 1 else [sys.executable])
-    command = [*launcher, str(REPO / "train.py"), *COMMON, "--job.dump_folder", str(dump), *extra]
-    return subprocess.run(command, capture_output=True, text=True, timeout=900, env=env, cwd=REPO)
-
-
-def _losses(dump: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss_metrics/global_avg_loss"] for r in records}
+def _train(dump: Path, nproc: int, *extra: str) -> None:
+    train_py(*COMMON, "--job.dump_folder", dump, *extra, nproc=nproc, timeout=900)
 
 
 def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_cp2_and_cp4(tmp_path):
     """Saved by a cp2 job (the weights sharded over dp_shard x cp), loaded at cp2 (bitwise the uninterrupted run),
     cp1 and cp4 (the next losses within 1e-5: the same weights, optimizer state and data position)."""
     saved = tmp_path / "cp2"
-    result = _train(saved, 2, "--parallelism.context_parallel_degree", "2", "--training.steps", "6",
-                    "--checkpoint.enable", "--checkpoint.interval", "3")
-    assert result.returncode == 0, result.stderr[-3000:]
-    after = {step: loss for step, loss in _losses(saved).items() if step > 3}
+    _train(saved, 2, "--parallelism.context_parallel_degree", "2", "--training.steps", "6", "--checkpoint.enable",
+           "--checkpoint.interval", "3")
+    after = {step: loss for step, loss in logged_losses(saved).items() if step > 3}
     load = ("--training.steps", "6", "--checkpoint.initial_load_path", str(saved / "checkpoint" / "step-3"),
             "--checkpoint.initial_load_model_only", "false")
     for name, nproc in (("cp2", 2), ("cp1", 1), ("cp4", 4)):
         dump = tmp_path / f"resumed_{name}"
-        result = _train(dump, nproc, "--parallelism.context_parallel_degree", name[2:], *load)
-        assert result.returncode == 0, result.stderr[-3000:]
-        resumed = _losses(dump)
+        _train(dump, nproc, "--parallelism.context_parallel_degree", name[2:], *load)
+        resumed = logged_losses(dump)
         if name == "cp2":
             assert resumed == after
         else:
@@ -204,12 +188,9 @@ def test_a_checkpoint_saved_at_cp2_resumes_at_cp1_cp2_and_cp4(tmp_path):
 
 
 def _dry_run(dump: Path, cp: int) -> dict:
-    command = [sys.executable, str(REPO / "train.py"), "--config", "llama3_debug.toml", "--dry_run",
-               "--dry_run.world_size", "4", "--dry_run.device", "h100", "--model.attention", "flex",
-               "--training.seq_len", "2048", "--training.local_batch_size", "1",
-               "--parallelism.context_parallel_degree", str(cp), "--job.dump_folder", str(dump)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
+    train_py(*DEBUG, "--dry_run", "--dry_run.world_size", "4", "--dry_run.device", "h100", "--model.attention", "flex",
+             "--training.seq_len", "2048", "--training.local_batch_size", "1", "--parallelism.context_parallel_degree",
+             str(cp), "--job.dump_folder", dump)
     return json.loads((dump / "dry_run.json").read_text())
 
 
@@ -218,7 +199,7 @@ def test_the_dry_run_prices_a_quarter_of_the_activations_and_the_key_value_gathe
     per rank fall to a quarter (the gathered keys and values of one block at a time are all that is whole), and the
     collectives of context parallel are listed apart: per block one all-gather of the keys and one of the values,
     and their reduce-scatters backward (6 blocks, no AC); the weights' own on dp_shard_cp."""
-    cp1, cp4 = _dry_run(tmp_path / "cp1", 1), _dry_run(tmp_path / "cp4", 4)
+    cp1, cp4 = two_at_a_time([lambda: _dry_run(tmp_path / "cp1", 1), lambda: _dry_run(tmp_path / "cp4", 4)])
     ratio = cp4["memory_bytes"]["activations"] / cp1["memory_bytes"]["activations"]
     assert 0.24 <= ratio <= 0.30, ratio
     rows = {(r["mesh_dim"], r["kind"]): r["count"] for r in cp4["collectives_per_step"]}

@@ -13,16 +13,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
-from tests.distributed_utils import free_port
+from tests.harness import FOUR_STEPS, REPO, free_port, job_env, one_torch_thread, read_metrics
 from titan_simple.config import JobConfig, load_job_config
 from titan_simple.trainer import metrics as m
 from titan_simple.trainer.trainer import Trainer
 
-REPO = Path(__file__).resolve().parent.parent
-TINY = ["--config", "llama3_debug.toml", "--training.steps", "4", "--training.seq_len", "64",
-        "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "2"]
 # Validation (another part of issue 8) is switched on where the config knows it.
 VALIDATION = ["--validation.enable", "--validation.freq", "2", "--validation.steps", "1",
               "--validation.local_batch_size", "2"]
@@ -32,14 +28,11 @@ SERVER_START_TIMEOUT_S = 120
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory) -> tuple[Path, list[dict]]:
     """(dump folder, metrics.jsonl records) of a finished 4-step run logged at steps 1, 2 and 4."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: more threads only contend
     dump = tmp_path_factory.mktemp("run")
     extra = VALIDATION if hasattr(JobConfig(), "validation") else []
-    Trainer(load_job_config([*TINY, *extra, "--job.dump_folder", str(dump)])).train()
-    torch.set_num_threads(threads)
-    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    return dump, records
+    with one_torch_thread():
+        Trainer(load_job_config([*FOUR_STEPS, *extra, "--job.dump_folder", str(dump)])).train()
+    return dump, read_metrics(dump)
 
 
 def get_json(url: str) -> object:
@@ -67,7 +60,7 @@ def server(finished_run, tmp_path_factory):
         process = subprocess.Popen(
             ["bash", str(REPO / "scripts" / "tensorboard.sh"), str(dump), str(port)],
             stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            env=job_env(),
         )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + SERVER_START_TIMEOUT_S

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from tests.harness import REPO
 from titan_simple.data import Tokenizer, build_dataloader
 from titan_simple.data.datasets import shakespeare_files
 from titan_simple.data.sample_index import SampleIndex, document_order, window_order, window_starts
@@ -24,7 +25,7 @@ from titan_simple.errors import ConfigError, DataError
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 
-ASSET_TOKENIZER = Path(__file__).resolve().parent.parent / "assets" / "tokenizer" / "shakespeare_bpe_2k.json"
+ASSET_TOKENIZER = REPO / "assets" / "tokenizer" / "shakespeare_bpe_2k.json"
 HAMLET = "To be, or not to be, that is the question:"
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")

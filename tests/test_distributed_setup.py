@@ -4,13 +4,12 @@ training), which reach every process group of the mesh, gloo's here as NCCL's on
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.distributed_utils import run_on_ranks
+from tests.harness import job_env, run_python
 from titan_simple.config import load_job_config
 from titan_simple.errors import ConfigError
 from titan_simple.trainer.distributed import (
@@ -19,7 +18,6 @@ from titan_simple.trainer.distributed import (
     prepare_process_environment,
 )
 
-REPO = Path(__file__).resolve().parent.parent
 NCCL_DEFAULTS = {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE",
                  "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}
 
@@ -48,10 +46,8 @@ def test_the_allocator_setting_reaches_torchs_allocator_config(tmp_path):
               "'cuda')\n"
               "print(lines[0])\n"
               "print(torch._C._accelerator_getAllocatorSettings())\n")
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF",
-                                                                          "PYTORCH_ALLOC_CONF")}
-    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
-                         check=True).stdout.splitlines()
+    env = job_env(drop=("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    out = run_python("-c", script, env=env).stdout.splitlines()
     assert out == ["allocator | set PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True", "expandable_segments:True"]
 
 

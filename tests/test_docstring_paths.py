@@ -8,7 +8,8 @@ import re
 from collections.abc import Iterator
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.harness import REPO
+
 PACKAGE = REPO / "titan_simple"
 SUBPACKAGES = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()} | {"train"}
 TOP_FOLDERS = {"tests", "scripts", "docs", "configs", "assets"}

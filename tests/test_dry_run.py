@@ -7,34 +7,20 @@ selected in it two at a time, ahead (``RUNS``, ``uses``), and each test waits fo
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
-import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from tests.harness import dry_run
 from titan_simple.dry_run.hardware import FLOAT8_MATMUL_EFFICIENCY
 from titan_simple.models.llama3 import LLAMA3_FLAVORS, Transformer, count_parameters
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
-
-
 DryRun = tuple[subprocess.CompletedProcess, dict | None]  # the process, and its dry_run.json if it wrote one
-
-
-def dry_run(folder: Path, *args: str, timeout: int = 600) -> DryRun:
-    proc = subprocess.run(
-        [sys.executable, "train.py", "--dry_run", "--job.dump_folder", str(folder), *args],
-        cwd=PROJECT_DIR, capture_output=True, text=True, timeout=timeout,
-    )
-    path = folder / "dry_run.json"
-    return proc, json.loads(path.read_text()) if path.exists() else None
 
 
 _LOSS = ("--config", "llama3_debug.toml", "--dry_run.world_size", "2", "--training.seq_len", "64",

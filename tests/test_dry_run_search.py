@@ -8,13 +8,13 @@ fake world). The searches here plan the debug model, whose traces take milliseco
 
 from __future__ import annotations
 
-import json
+import functools
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests.harness import dry_run, two_at_a_time
 from titan_simple.config import load_job_config
 from titan_simple.dry_run.layouts import (
     apply_overrides,
@@ -28,21 +28,13 @@ from titan_simple.dry_run.search import parse_pins
 from titan_simple.dry_run.search_printout import format_search
 from titan_simple.errors import ConfigError
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
 SEARCH = ("--config", "llama3_debug.toml", "--dry_run.world_size", "8", "--dry_run.device", "h100",
           "--training.seq_len", "2048", "--training.local_batch_size", "2")
 
 
-def train(folder: Path, *args: str, output: str = "dry_run.json") -> tuple[subprocess.CompletedProcess, dict | None]:
-    proc = subprocess.run([sys.executable, "train.py", "--dry_run", "--job.dump_folder", str(folder), *args],
-                          cwd=PROJECT_DIR, capture_output=True, text=True, timeout=600)
-    path = folder / output
-    return proc, json.loads(path.read_text()) if path.exists() else None
-
-
 @pytest.fixture(scope="module")
 def search(tmp_path_factory) -> dict:
-    proc, result = train(tmp_path_factory.mktemp("search"), *SEARCH, "--dry_run.search", "--dry_run.search_layouts",
+    proc, result = dry_run(tmp_path_factory.mktemp("search"), *SEARCH, "--dry_run.search", "--dry_run.search_layouts",
                          "24", "--dry_run.search_fix", "activation_checkpoint.mode=none", output="search.json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     return result
@@ -64,8 +56,8 @@ def _numbers(report: dict) -> tuple:
 def test_depth_extrapolation_equals_the_full_trace(tmp_path, args):
     """Traces of 2 and 3 blocks per stage carried to the full depth give the full trace's report: every number
     to float rounding, every count and byte exactly."""
-    proc_x, short = train(tmp_path / "x", *args)
-    proc_f, full = train(tmp_path / "f", *args, "--dry_run.full_trace")
+    (proc_x, short), (proc_f, full) = two_at_a_time([lambda: dry_run(tmp_path / "x", *args),
+                                                     lambda: dry_run(tmp_path / "f", *args, "--dry_run.full_trace")])
     assert proc_x.returncode == 0 and proc_f.returncode == 0, proc_x.stderr[-2000:] + proc_f.stderr[-2000:]
     assert short["traced_blocks_per_part"] == [2, 3] and "traced_blocks_per_part" not in full
     assert short["memory_bytes"] == pytest.approx(full["memory_bytes"], rel=1e-12)
@@ -79,8 +71,10 @@ def test_depth_extrapolation_equals_the_full_trace(tmp_path, args):
 def test_rows_of_the_search_equal_standalone_dry_runs_of_their_overrides(search, tmp_path):
     table = search["table"]
     assert 3 <= len(table) <= 15
-    for index, row in enumerate([*table[:2], search["published"]]):
-        proc, report = train(tmp_path / str(index), *SEARCH, *row["overrides"])
+    rows = [*table[:2], search["published"]]
+    standalone = two_at_a_time([functools.partial(dry_run, tmp_path / str(index), *SEARCH, *row["overrides"])
+                                for index, row in enumerate(rows)])
+    for row, (proc, report) in zip(rows, standalone, strict=True):
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert report["memory_bytes"]["reserved"] / 2**30 == row["reserved_gib"]
         assert report["tokens_per_second_per_gpu"] == row["tokens_per_second_per_gpu"]
@@ -144,19 +138,19 @@ def test_enumerated_layouts_hold_the_batch_and_fit_the_mesh():
 
 def test_regional_compile_is_never_priced_above_the_whole_model_compile(tmp_path):
     """What ``layouts.dominated`` relies on: the same layout, regional, is not faster and not smaller."""
-    whole = train(tmp_path / "w", *SEARCH)[1]
-    regional = train(tmp_path / "r", *SEARCH, "--compile.regional")[1]
+    (_, whole), (_, regional) = two_at_a_time([lambda: dry_run(tmp_path / "w", *SEARCH),
+                                               lambda: dry_run(tmp_path / "r", *SEARCH, "--compile.regional")])
     assert regional["tokens_per_second_per_gpu"] <= whole["tokens_per_second_per_gpu"]
     assert regional["memory_bytes"]["reserved"] >= whole["memory_bytes"]["reserved"]
 
 
 def test_a_world_no_layout_fits_is_one_line_with_the_smallest_memory(tmp_path):
-    proc, _ = train(tmp_path, "--config", "llama3_405b.toml", "--dry_run.world_size", "8", "--dry_run.search",
+    proc, _ = dry_run(tmp_path, "--config", "llama3_405b.toml", "--dry_run.world_size", "8", "--dry_run.search",
                     output="search.json")  # weights, gradients and AdamW state alone need more than 8 GPUs
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
     assert "llama3 405B cannot fit 8 x H100" in line and "plan for at least" in line
-    proc, _ = train(tmp_path, "--config", "llama3_405b.toml", "--dry_run.world_size", "128", "--dry_run.search",
+    proc, _ = dry_run(tmp_path, "--config", "llama3_405b.toml", "--dry_run.world_size", "128", "--dry_run.search",
                     "--training.global_batch_size", "128", "--dry_run.search_layouts", "4", output="search.json")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     line = proc.stderr.strip().splitlines()[-1]
@@ -169,7 +163,7 @@ def test_small_or_impossible_worlds_answer_in_one_line_or_a_table(tmp_path, conf
     """Worlds 0, -8, 1, 3 and 7: a one-line error and exit 2, or a table; never a hang, at most 20 lines. (Time is
     measured in the issue's note: each within 60 s.)"""
     for world in ("0", "-8", "1", "3", "7"):
-        proc, result = train(tmp_path / world, "--config", config, "--dry_run.world_size", world, "--dry_run.search",
+        proc, result = dry_run(tmp_path / world, "--config", config, "--dry_run.world_size", world, "--dry_run.search",
                              "--dry_run.search_layouts", "6", output="search.json")
         lines = [line for line in (proc.stdout + proc.stderr).splitlines() if not line.startswith("search: ")]
         assert len(lines) <= 20, (world, lines)
@@ -186,7 +180,7 @@ def test_the_table_does_not_depend_on_the_machines_load(tmp_path, search):
     the budget is a count of layouts and results are taken in the order they were asked for."""
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
-        proc, loaded = train(tmp_path, *SEARCH, "--dry_run.search", "--dry_run.search_layouts", "24",
+        proc, loaded = dry_run(tmp_path, *SEARCH, "--dry_run.search", "--dry_run.search_layouts", "24",
                              "--dry_run.search_fix", "activation_checkpoint.mode=none", output="search.json")
     finally:
         for hog in hogs:

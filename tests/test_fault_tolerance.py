@@ -8,12 +8,10 @@ the shard hashes of both groups after every rejoin, and the losses against a pla
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,24 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.distributed_utils import free_port, single_rank_process_group
+from tests.distributed_utils import single_rank_process_group
+from tests.harness import (
+    NO_TENSORBOARD,
+    REPO,
+    TWO_BLOCKS,
+    finish,
+    free_port,
+    job_env,
+    load_script,
+    read_jsonl,
+    read_metrics,
+    report,
+    run_python,
+    start_python,
+    stop,
+    train_py,
+    wait_for_logged_steps,
+)
 from tests.parity import COMPILED_RTOL, EAGER_RTOL, SHARDED_NORM_RTOL, max_rel_diff
 from titan_simple.config import load_job_config
 from titan_simple.core.plan import resolve_plan
@@ -42,14 +57,11 @@ from titan_simple.trainer.loop_feature import Progress
 from titan_simple.trainer.metrics import LIVE_GROUPS, _format_console_line
 from titan_simple.trainer.replica_state import GradientBuckets, ReplicaState, recovery_timeout, state_bytes
 
-REPO = Path(__file__).resolve().parent.parent
 TORCHRUN_ENV = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 # Two layers of the debug model; a constant rate after a 2-step warmup: runs of different lengths follow the same
 # schedule step by step.
-TINY = ["--config", "llama3_debug.toml", "--model.n_layers", "2", "--training.seq_len", "64",
-        "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0",
-        "--metrics.log_freq", "1", "--training.mixed_precision_param", "float32", "--metrics.enable_tensorboard",
-        "false"]
+TINY = (*TWO_BLOCKS, "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "2",
+        "--lr_scheduler.decay_ratio", "0", *NO_TENSORBOARD)
 FT = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--fault_tolerance.lighthouse",
       "http://127.0.0.1:1"]
 
@@ -226,10 +238,9 @@ def test_a_2gb_heal_over_the_replica_group_finishes_within_the_recovery_timeout(
     """A rank's 2.15 GB of state sent to a healing rank through torchft's process-group transport over the replica
     group, as titan_simple builds it (gloo here), received in place and checked bitwise, within the timeout the code
     derives for that size (measured: docs/fault_tolerance.md, scripts/benchmarks/benchmark_heal.py)."""
-    heal_script = REPO / "scripts" / "benchmarks" / "benchmark_heal.py"
-    result = subprocess.run([sys.executable, str(heal_script), "--gb", "2", "--transports",
-                             "pg"], capture_output=True, text=True, timeout=900, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-3000:]
+    # In the user's environment: its time is compared with the limit.
+    result = run_python(REPO / "scripts" / "benchmarks" / "benchmark_heal.py", "--gb", "2", "--transports", "pg",
+                        env=os.environ, timeout=900)
     row = [cells.strip() for cells in result.stdout.strip().splitlines()[-1].strip("|").split("|")]
     size_gb, seconds, limit, bitwise = float(row[0].split()[0]), float(row[2]), float(row[4].split()[0]), row[5]
     assert size_gb >= 2.0 and bitwise == "yes"
@@ -288,8 +299,7 @@ LAUNCHER = REPO / "scripts" / "fault_tolerance.py"
 
 
 def run_launcher(*argv: str, timeout: int = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(LAUNCHER), *argv], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return run_python(LAUNCHER, *argv, timeout=timeout, expect=None)
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -312,10 +322,7 @@ def test_bad_launcher_arguments_are_one_line_and_exit_2_before_anything_starts(a
 
 
 def test_the_launcher_writes_where_the_config_says(tmp_path):
-    spec = importlib.util.spec_from_file_location("ft_launcher", LAUNCHER)
-    launcher = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = launcher  # its dataclasses look their module up
-    spec.loader.exec_module(launcher)
+    launcher = load_script(LAUNCHER, "ft_launcher")
     args, train = launcher.parse_args(["--", "--config", "llama3_debug.toml", "--job.dump_folder", str(tmp_path)])
     assert launcher.job_folder(args, train) == tmp_path
     args, train = launcher.parse_args(["--", "--config", "llama3_8b.toml"])
@@ -347,22 +354,14 @@ def test_a_lighthouse_that_dies_mid_run_is_one_line_naming_it(tmp_path):
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ,
                                                                                              "RUST_LOG": "warn"})
     dump = tmp_path / "job"
-    launcher = subprocess.Popen(
-        [sys.executable, str(LAUNCHER), "--groups", "2", "--nproc", "1", "--restart", "2", "--lighthouse",
-         f"http://127.0.0.1:{port}", "--", *TINY, "--model.n_layers", "1", "--training.steps", "500",
-         "--job.dump_folder", str(dump), "--fault_tolerance.quorum_timeout_seconds", "10"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env={**os.environ,
-                                                                                    "OMP_NUM_THREADS": "1"})
+    launcher = start_python(LAUNCHER, "--groups", "2", "--nproc", "1", "--restart", "2", "--lighthouse",
+                            f"http://127.0.0.1:{port}", "--", *TINY, "--model.n_layers", "1", "--training.steps", "500",
+                            "--job.dump_folder", dump, "--fault_tolerance.quorum_timeout_seconds", "10")
     try:
-        metrics = dump / "replica_0" / "metrics.jsonl"
-        deadline = time.monotonic() + 240
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
-            assert launcher.poll() is None and time.monotonic() < deadline, launcher.communicate()[0][-3000:]
-            time.sleep(0.5)
+        wait_for_logged_steps(launcher, dump / "replica_0" / "metrics.jsonl", 3, timeout_s=240)
     finally:
-        lighthouse.kill()
-        lighthouse.wait()
-    console = launcher.communicate(timeout=240)[0]
+        stop(lighthouse)
+    console = finish(launcher, timeout_s=240)
     assert launcher.returncode == 1, console[-3000:]
     for group in (0, 1):
         log = (dump / f"replica_{group}" / "launch_0.log").read_text()
@@ -378,23 +377,17 @@ def test_a_lighthouse_that_dies_mid_run_is_one_line_naming_it(tmp_path):
 # ------------------------------------------------------------------------------------------ real runs
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def launch(dump: Path, steps: int, *extra: str, kills: tuple[str, ...] = (), hold: str = "", restart: int = 0,
            env: dict[str, str] | None = None, timeout: int = 900) -> list[dict]:
     """scripts/fault_tolerance.py with two groups of two processes; returns the launcher's events."""
-    command = [sys.executable, str(REPO / "scripts" / "fault_tolerance.py"), "--groups", "2", "--nproc", "2",
-               "--dump-folder", str(dump), "--restart", str(restart), "--heartbeat-timeout-ms", "2000",
-               *[f"--kill={k}" for k in kills], *([f"--hold={hold}"] if hold else []), "--", *TINY,
-               "--training.steps", str(steps),
-               "--fault_tolerance.log_shard_hashes", "--fault_tolerance.timeout_seconds", "30",
-               "--fault_tolerance.bucket_cap_mb", "0.5", *extra]  # several buckets: a kill can fall between two
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+    result = run_python(LAUNCHER, "--groups", "2", "--nproc", "2", "--dump-folder", dump, "--restart", str(restart),
+                        "--heartbeat-timeout-ms", "2000", *[f"--kill={k}" for k in kills],
+                        *([f"--hold={hold}"] if hold else []), "--", *TINY, "--training.steps", str(steps),
+                        "--fault_tolerance.log_shard_hashes", "--fault_tolerance.timeout_seconds", "30",
+                        "--fault_tolerance.bucket_cap_mb", "0.5",  # several buckets: a kill can fall between two
+                        *extra, env=job_env(**(env or {})), timeout=timeout, expect=None)
     logs = "".join(p.read_text()[-3000:] for p in sorted(dump.glob("replica_*/launch_*.log")))
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:] + logs
+    assert result.returncode == 0, report(result) + logs
     return json.loads((dump / "launcher_events.json").read_text())
 
 
@@ -402,12 +395,8 @@ def launch(dump: Path, steps: int, *extra: str, kills: tuple[str, ...] = (), hol
 def plain_four_processes(tmp_path_factory) -> list[dict]:
     """The reference: SimpleFSDP fully_shard on 4 processes, the same global batch (4 x 2 rows), eager."""
     dump = tmp_path_factory.mktemp("plain4")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone",
-               str(REPO / "train.py"), *TINY, "--training.steps", "4", "--job.dump_folder", str(dump)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
-    return read_jsonl(dump / "metrics.jsonl")
+    train_py(*TINY, "--training.steps", "4", "--job.dump_folder", dump, nproc=4)
+    return read_metrics(dump)
 
 
 def hashes(dump: Path, group: int, rank: int) -> dict[int, tuple[str, str]]:
@@ -421,10 +410,10 @@ def check_failures(dump: Path, events: list[dict], steps: int, kills: tuple[str,
     launches = [(e["group"], e["attempt"]) for e in events if e["event"] == "launch"]
     assert launches.count((0, 0)) == 1 and all(g == 1 for g, a in launches if a > 0)  # group 0 never restarted
     assert len([e for e in events if e["event"] == "killed"]) == len(kills)
-    survivor = read_jsonl(dump / "replica_0" / "metrics.jsonl")
+    survivor = read_metrics(dump / "replica_0")
     # Every step logged once, in order: no step lost, none repeated (a retried step logs once, when it commits).
     assert [m["step"] for m in survivor] == list(range(1, steps + 1))
-    restarted = read_jsonl(dump / "replica_1" / "metrics.jsonl")
+    restarted = read_metrics(dump / "replica_1")
     assert restarted[-1]["step"] == steps
     for log in (dump / "replica_1").glob("launch_*.log"):  # a heal is one warning line, nothing of torch's or HTTP's
         text = log.read_text()
@@ -466,7 +455,7 @@ def test_a_killed_group_rejoins_bitwise_and_the_survivor_loses_no_step(tmp_path,
     # ... and when every group has died, a relaunch of all resumes there and the groups agree from the first step.
     launch(tmp_path, steps + 2, *checkpoints)
     for group in (0, 1):
-        assert [m["step"] for m in read_jsonl(tmp_path / f"replica_{group}" / "metrics.jsonl")][-2:] == [17, 18]
+        assert [m["step"] for m in read_metrics(tmp_path / f"replica_{group}")][-2:] == [17, 18]
         log = (tmp_path / f"replica_{group}" / "launch_0.log").read_text()  # the relaunch's (it replaced the first)
         assert "step-16 (step 16" in log and "healed" not in log  # each group loaded it; none healed instead
     for rank in (0, 1):

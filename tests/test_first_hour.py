@@ -9,46 +9,32 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
-GLOBAL_BATCH = 8
-# Two of the debug model's six blocks: the data order and the resumes do not depend on depth, the run time does.
-COMMON = ["--config", "llama3_debug.toml", "--model.n_layers", "2", "--training.steps", "10",
-          "--training.seq_len", "64", "--training.global_batch_size", str(GLOBAL_BATCH),
-          "--training.mixed_precision_param", "float32", "--metrics.log_freq", "1",
-          "--metrics.enable_tensorboard", "false"]
+from tests.harness import (
+    FIRST_HOUR_GLOBAL_BATCH,
+    FIRST_HOUR_JOB,
+    assert_one_line_error,
+    bad_input,
+    logged_losses,
+    train_in_process,
+    train_py,
+)
+
+# FIRST_HOUR_JOB runs two of the debug model's six blocks: the data order and the resumes do not depend on depth,
+# the run time does.
+GLOBAL_BATCH = FIRST_HOUR_GLOBAL_BATCH
 RTOL = 1e-5
 
 
-def train(dump: Path, nproc: int, *extra: str, timeout: int = 900) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    launcher = ([sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"]
-                if nproc > 1 else [sys.executable])
-    command = [*launcher, str(REPO / "train.py"), *COMMON, "--job.dump_folder", str(dump), *extra]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-
-
-def train_in_process(dump: Path, *extra: str) -> int:
-    """``train.main`` in this process (one rank): the entry point without the interpreter start-up."""
-    spec = importlib.util.spec_from_file_location("train_entry", REPO / "train.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main([*COMMON, "--job.dump_folder", str(dump), *extra])
-
-
-def losses(dump: Path) -> dict[int, float]:
-    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss_metrics/global_avg_loss"] for r in records}
+def train(dump: Path, nproc: int, *extra: str, expect: int | None = 0) -> subprocess.CompletedProcess:
+    return train_py(*FIRST_HOUR_JOB, "--job.dump_folder", dump, *extra, nproc=nproc, timeout=900, expect=expect)
 
 
 def max_rel(a: dict[int, float], b: dict[int, float]) -> float:
@@ -68,9 +54,8 @@ LAYOUTS = {
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> dict[int, float]:
     dump = tmp_path_factory.mktemp("one")
-    result = train(dump, 1, "--training.local_batch_size", str(GLOBAL_BATCH))
-    assert result.returncode == 0, result.stderr[-3000:]
-    return losses(dump)
+    train(dump, 1, "--training.local_batch_size", str(GLOBAL_BATCH))
+    return logged_losses(dump)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +69,6 @@ def run_layout(runs: dict[str, Path], tmp_path_factory, layout: str) -> Path:
         dump = tmp_path_factory.mktemp(layout)
         nproc, *extra = LAYOUTS[layout]
         result = train(dump, nproc, *extra)
-        assert result.returncode == 0, result.stderr[-3000:]
         assert "set_vital" not in result.stderr  # torchdata's deprecation warning is not shown on every start
         runs[layout] = dump
     return runs[layout]
@@ -94,28 +78,26 @@ def run_layout(runs: dict[str, Path], tmp_path_factory, layout: str) -> Path:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_layout_sees_the_same_data(single, runs, tmp_path_factory, layout):
     dump = run_layout(runs, tmp_path_factory, layout)
-    assert max_rel(losses(dump), single) <= RTOL
+    assert max_rel(logged_losses(dump), single) <= RTOL
     assert single[10] < single[1]
 
 
 @pytest.mark.slow
 def test_a_checkpoint_of_two_processes_continues_on_one_and_on_four(single, runs, tmp_path_factory, tmp_path):
     saved = run_layout(runs, tmp_path_factory, "fully_shard2")  # saved every 4 steps
-    uninterrupted = losses(saved)
+    uninterrupted = logged_losses(saved)
     step4 = saved / "checkpoint" / "step-4"
     assert step4.is_dir()
     load = ("--checkpoint.initial_load_path", str(step4), "--checkpoint.initial_load_model_only", "false")
     resumed_same = tmp_path / "same"
-    result = train(resumed_same, 2, "--training.local_batch_size", "4", *load)
-    assert result.returncode == 0, result.stderr[-3000:]
+    train(resumed_same, 2, "--training.local_batch_size", "4", *load)
     after = {k: v for k, v in uninterrupted.items() if k > 4}
-    assert losses(resumed_same) == after  # the same layout: bitwise
+    assert logged_losses(resumed_same) == after  # the same layout: bitwise
     for name, nproc, extra in (("one", 1, ("--training.local_batch_size", "8")),
                                ("four", 4, ("--training.local_batch_size", "2"))):
         dump = tmp_path / name
-        result = train(dump, nproc, *extra, *load)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert max_rel(losses(dump), after) <= RTOL, name
+        train(dump, nproc, *extra, *load)
+        assert max_rel(logged_losses(dump), after) <= RTOL, name
     # Another global batch (8 -> 4 rows) on one process: the run reads samples 32, 33, ... (4 steps x 8 were
     # consumed), which its checkpoint's position shows: 32 + 2 steps x 4.
     dump = tmp_path / "half_batch"
@@ -134,29 +116,12 @@ def test_a_checkpoint_of_two_processes_continues_on_one_and_on_four(single, runs
 def test_short_runs_of_the_debug_config_just_work(steps, tmp_path, caplog):
     with caplog.at_level("WARNING"):
         assert train_in_process(tmp_path, "--training.steps", str(steps), "--training.local_batch_size", "2") == 0
-    assert sorted(losses(tmp_path)) == list(range(1, steps + 1))
+    assert sorted(logged_losses(tmp_path)) == list(range(1, steps + 1))
     # warmup 5 + decay 0.5 x steps do not fit: shortened, said once
     assert sum("warmup shortened" in r.getMessage() for r in caplog.records) == 1
 
 
 # ---------------------------------------------------------------------------------------------- bad input
-
-
-def assert_one_line_error(stderr: str, code: int, *fragments: str, expected_code: int = 2) -> None:
-    """``expected_code``: train.py exits 2; torchrun reports a failed worker as 1."""
-    assert code == expected_code, stderr[-3000:]
-    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1, stderr[-3000:]  # torchrun adds its own report of the failed ranks after it
-    for fragment in fragments:
-        assert fragment in errors[0], errors[0]
-
-
-def bad_input(tmp_path: Path, capsys, *extra: str) -> tuple[str, int]:
-    """``train.main`` on bad input: its stderr (no traceback may reach it) and exit status."""
-    code = train_in_process(tmp_path / "dump", *extra)
-    stderr = capsys.readouterr().err
-    assert "Traceback" not in stderr, stderr
-    return stderr, code
 
 
 def test_your_own_folder_without_data_files_says_to_set_the_dataset(tmp_path, capsys):
@@ -174,10 +139,10 @@ def test_your_own_folder_is_read(tmp_path):
                                             for i in range(40)))
     assert train_in_process(tmp_path / "dump", "--training.dataset_path", str(folder), "--training.steps", "2",
                             "--training.local_batch_size", "2") == 0
-    mine = losses(tmp_path / "dump")
+    mine = logged_losses(tmp_path / "dump")
     builtin = tmp_path / "builtin"
     assert train_in_process(builtin, "--training.steps", "2", "--training.local_batch_size", "2") == 0
-    assert sorted(mine) == [1, 2] and mine != losses(builtin)  # trained 2 steps, on other data than the corpus
+    assert sorted(mine) == [1, 2] and mine != logged_losses(builtin)  # trained 2 steps, on other data than the corpus
 
 
 def test_a_folder_of_empty_parquet_files_is_one_line(tmp_path, capsys):
@@ -212,7 +177,7 @@ def test_a_hugging_face_load_that_fails_after_the_build_leaves_no_run_output(tmp
     from titan_simple.models.llama3 import Transformer
     from titan_simple.trainer import checkpoint
 
-    args = model_args_for(load_job_config(COMMON))
+    args = model_args_for(load_job_config(list(FIRST_HOUR_JOB)))
     with torch.device("cpu"):
         weights = Transformer(args).state_dict()
     hf = save_hf(weights, args, tmp_path / "hf")
@@ -244,6 +209,6 @@ def test_a_hugging_face_load_that_fails_after_the_build_leaves_no_run_output(tmp
 
 @pytest.mark.slow
 def test_a_config_error_is_said_once_per_job(tmp_path):
-    result = train(tmp_path, 2, "--training.local_batch_size", "3")  # 8 is not a multiple of 3 x 2
+    result = train(tmp_path, 2, "--training.local_batch_size", "3", expect=None)  # 8 is not a multiple of 3 x 2
     assert_one_line_error(result.stderr, result.returncode, "global_batch_size", expected_code=1)
     assert "set_vital" not in result.stderr

@@ -9,10 +9,7 @@ is the amax of the whole (gathered) weight, the same on every layout.
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from tests.distributed_utils import run_on_ranks
+from tests.harness import FP32, ONE_ROW, output_of, train_py
 from tests.parity import Recipe, build_layout, max_rel_diff, train_reference, train_steps
 from titan_simple.config import load_job_config
 from titan_simple.core.plan import resolve_plan
@@ -39,7 +37,6 @@ from titan_simple.parallel.tensor_parallel import local_linear_shape
 
 pytest.importorskip("torchao.float8")
 
-REPO = Path(__file__).resolve().parent.parent
 RECIPE = Recipe(steps=3, extra=("--model.n_layers=2",))
 FLOAT8 = ("--model.converters=float8",)
 # Largest relative loss differences over 3 steps, measured (2 blocks, fp32 CPU, 2026-11-26; -s prints them):
@@ -254,17 +251,10 @@ def test_selective_op_ac_counts_each_float8_linear_as_one_matmul():
 def test_checkpoints_load_across_float8_on_and_off(tmp_path):
     """train.py on one process: float8 saves step 1, bf16 (here fp32) loads it and saves step 2, float8 loads that
     and trains step 3; each resumes the whole state (model, optimizer, scheduler, RNG)."""
-    common = ["--config", "llama3_debug.toml", "--training.seq_len", "32", "--training.local_batch_size", "1",
-              "--lr_scheduler.warmup_steps", "1", "--metrics.enable_tensorboard=false", "--model.n_layers", "2",
-              "--training.mixed_precision_param", "float32", "--checkpoint.enable", "--checkpoint.interval", "1",
-              "--job.dump_folder", str(tmp_path)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    common = (*ONE_ROW, "--model.n_layers", "2", *FP32, "--checkpoint.enable", "--checkpoint.interval", "1",
+              "--job.dump_folder", tmp_path)
     for step, float8 in ((1, True), (2, False), (3, True)):
-        result = subprocess.run([sys.executable, str(REPO / "train.py"), *common, "--training.steps", str(step),
-                                 *(FLOAT8 if float8 else ())], capture_output=True, text=True, timeout=120, cwd=REPO,
-                                env=env)
-        log = result.stdout + result.stderr
-        assert result.returncode == 0, log[-2000:]
+        log = output_of(train_py(*common, "--training.steps", str(step), *(FLOAT8 if float8 else ()), timeout=120))
         assert f"saved step {step} to" in log and ("float8 tensorwise" in log) == float8
         if step > 1:
             assert f"loaded lr_scheduler, model, optimizer, rng from {tmp_path}/checkpoint/step-{step - 1}" in log

@@ -4,17 +4,15 @@ process and continued."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
+from tests.harness import DEBUG, FOUR_STEPS, NO_TENSORBOARD, REPO, load_script, one_torch_thread, run_python
 from titan_simple.config import load_job_config
 from titan_simple.data.tokenizer import Tokenizer
 from titan_simple.errors import ConfigError
@@ -26,12 +24,10 @@ from titan_simple.models.rope import LLAMA31_ROPE
 from titan_simple.trainer.checkpoint import export_hf, load_model_weights
 from titan_simple.trainer.trainer import Trainer
 
-REPO = Path(__file__).resolve().parent.parent
-STEPS = 4
-TINY = ["--config", "llama3_debug.toml", "--training.steps", str(STEPS), "--training.seq_len", "64",
-        "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "2",
-        "--metrics.enable_tensorboard=false", "--checkpoint.enable", "--checkpoint.last_save_in_hf"]
+STEPS = 4  # FOUR_STEPS's
+TINY = (*FOUR_STEPS, *NO_TENSORBOARD, "--checkpoint.enable", "--checkpoint.last_save_in_hf")
 PROMPT = "ROMEO:"
+GENERATE_PY = REPO / "scripts" / "generate.py"
 
 
 @pytest.fixture(scope="module")
@@ -40,15 +36,13 @@ def trained(tmp_path_factory):
 
     The trainer saves <dump>/checkpoint/step-4 (DCP, weights under "model") and step-4/hf (safetensors).
     """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 shared cores: more threads only contend
     dump = tmp_path_factory.mktemp("run")
     config = load_job_config([*TINY, "--job.dump_folder", str(dump)])
-    trainer = Trainer(config)
-    trainer.train()
-    assert (dump / "checkpoint" / f"step-{STEPS}" / "hf").is_dir()
-    yield config, trainer.run.parts.model, trainer.tokenizer, dump / "checkpoint"
-    torch.set_num_threads(threads)
+    with one_torch_thread():
+        trainer = Trainer(config)
+        trainer.train()
+        assert (dump / "checkpoint" / f"step-{STEPS}" / "hf").is_dir()
+        yield config, trainer.run.parts.model, trainer.tokenizer, dump / "checkpoint"
 
 
 @pytest.fixture(scope="module")
@@ -126,18 +120,11 @@ def test_top_k_one_is_greedy_and_temperature_zero_is_argmax():
     assert {sample_next_token(logits, 1.0, 2, generator) for _ in range(200)} == {1, 3}  # only the top 2
 
 
-def _run_script(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    return subprocess.run([sys.executable, str(REPO / "scripts" / "generate.py"), *args], capture_output=True,
-                          text=True, timeout=300, env=env, cwd=REPO)
-
-
 def test_script_prints_text_and_speed(trained, model):
     checkpoint = trained[3]
-    result = _run_script("--config", "llama3_debug.toml", "--training.seq_len", "64", "--checkpoint",
-                         str(checkpoint / f"step-{STEPS}"), "--prompt", PROMPT, "--max_new_tokens", "12",
-                         "--temperature", "0.7", "--top_k", "40", "--seed", "3")
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run_python(GENERATE_PY, *DEBUG, "--training.seq_len", "64", "--checkpoint", checkpoint / f"step-{STEPS}",
+                        "--prompt", PROMPT, "--max_new_tokens", "12", "--temperature", "0.7", "--top_k", "40",
+                        "--seed", "3", timeout=300)
     prompt = trained[2].encode(PROMPT, eos=False)
     expected = generate(model, prompt, 12, temperature=0.7, top_k=40, seed=3, stop_token=trained[2].eos_id)
     assert result.stdout == PROMPT + trained[2].decode(expected.tokens) + "\n"  # the same tokens as in-process
@@ -145,11 +132,8 @@ def test_script_prints_text_and_speed(trained, model):
 
 
 def test_script_reports_a_checkpoint_of_another_flavor_in_one_line(trained, capsys):
-    spec = importlib.util.spec_from_file_location("generate_script", REPO / "scripts" / "generate.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    code = script.main(["--config", "llama3_debug.toml", "--model.flavor", "debugmodel_large", "--checkpoint",
-                        str(trained[3]), "--prompt", PROMPT])
+    code = _generate_script().main([*DEBUG, "--model.flavor", "debugmodel_large", "--checkpoint", str(trained[3]),
+                                    "--prompt", PROMPT])
     stderr = capsys.readouterr().err
     assert code == 2
     assert stderr.startswith("error: checkpoint") and stderr.count("\n") == 1, stderr
@@ -158,11 +142,8 @@ def test_script_reports_a_checkpoint_of_another_flavor_in_one_line(trained, caps
 # ------------------------------------------------------------------ the model a checkpoint records (complete.json)
 
 
-def _generate_script():
-    spec = importlib.util.spec_from_file_location("generate_script", REPO / "scripts" / "generate.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+def _generate_script() -> ModuleType:
+    return load_script(GENERATE_PY, "generate_script")
 
 
 def _train_one_step(dump: Path, *extra: str) -> Path:

@@ -4,19 +4,18 @@ them: these tests check what the script decides from what CUDA would report, not
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.harness import REPO, load_script, run_python
 from titan_simple.core.device_peaks import peak_tflops_for_device_name
 from titan_simple.trainer.distributed import DistInfo, init_process_group
 from titan_simple.trainer.metrics import (
@@ -31,21 +30,16 @@ from titan_simple.trainer.metrics import (
     TFLOPS,
 )
 
-PROJECT_DIR = Path(__file__).resolve().parent.parent
-SCRIPT = PROJECT_DIR / "scripts" / "gpu_check.py"
-_spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-gpu_check = importlib.util.module_from_spec(_spec)
-sys.modules["gpu_check"] = gpu_check  # dataclasses look their module up while the script is executed
-_spec.loader.exec_module(gpu_check)
+SCRIPT = REPO / "scripts" / "gpu_check.py"
+gpu_check = load_script(SCRIPT)
 
 
 # ------------------------------------------------------------------------------------------ the table
 
 
 def run_script(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``python scripts/gpu_check.py ...`` as a user runs it."""
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=1500,
-                          env={**os.environ, **(env or {})}, cwd=PROJECT_DIR)
+    """``python scripts/gpu_check.py ...`` as a user runs it (in this process's environment)."""
+    return run_python(SCRIPT, *args, env={**os.environ, **(env or {})}, timeout=1500, expect=None)
 
 
 def table_rows(stdout: str) -> dict[str, tuple[str, float, str]]:

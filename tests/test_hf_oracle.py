@@ -18,7 +18,6 @@ slowest rotations have wavelengths of thousands of positions).
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import train
+from tests.harness import REPO, SMALL, load_script
 from titan_simple.config import load_job_config
 from titan_simple.data.tokenizer import Tokenizer
 from titan_simple.errors import ConfigError
@@ -38,16 +38,10 @@ from titan_simple.models.rope import LLAMA31_ROPE
 from titan_simple.trainer.checkpoint import load_model_weights
 from titan_simple.trainer.trainer import Trainer
 
-REPO = Path(__file__).resolve().parent.parent
 LENGTHS = (128, 4096)
 RTOL = 1e-4  # max |d| / max |logit|; measured: about 3e-7 (fp32, different kernels and summation orders)
-SMALL = ["--config", "llama3_debug.toml", "--training.seq_len", "32", "--training.local_batch_size", "2",
-         "--lr_scheduler.warmup_steps", "1", "--metrics.enable_tensorboard", "false"]
 # The folders' shapes and RoPE settings are scripts/benchmarks/hf_oracle_check.py's (the same comparison as a table).
-_CHECK = importlib.util.spec_from_file_location("hf_oracle_check",
-                                                REPO / "scripts" / "benchmarks" / "hf_oracle_check.py")
-ORACLE_CHECK = importlib.util.module_from_spec(_CHECK)
-_CHECK.loader.exec_module(ORACLE_CHECK)
+ORACLE_CHECK = load_script("scripts/benchmarks/hf_oracle_check.py")
 HF_SHAPE = ORACLE_CHECK.SHAPE  # a debug-sized Llama in transformers' terms (2 blocks, the debug model's widths)
 LLAMA3_SCALING = ORACLE_CHECK.SCALING
 HF_FOLDERS = dict(zip(("llama3.1_scaling", "llama3.2_scaling_tied", "theta_1e4"), ORACLE_CHECK.FOLDERS.values(),
@@ -167,9 +161,7 @@ def test_trainer_initial_load_imports_a_transformers_folder(hf_folder, tokens, t
 
 def test_generate_script_continues_a_prompt_as_transformers_does(hf_folder, capsys):
     folder, theirs = hf_folder
-    spec = importlib.util.spec_from_file_location("generate_script", REPO / "scripts" / "generate.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("scripts/generate.py", "generate_script")
     tokenizer = Tokenizer(str(REPO / "assets" / "tokenizer" / "shakespeare_bpe_2k.json"))
     prompt = "ROMEO:"
     code = script.main(["--config", "llama3_debug.toml", "--model.hf_config", str(folder), "--checkpoint",

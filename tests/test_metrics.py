@@ -3,7 +3,6 @@ and the console / JSONL / TensorBoard logger read back from disk."""
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,6 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from tests.distributed_utils import single_rank_process_group
+from tests.harness import read_metrics
 from titan_simple.core.device_peaks import PEAK_BF16_TFLOPS, peak_flops_per_second, peak_tflops_for_device_name
 from titan_simple.trainer import metrics as metrics_module
 from titan_simple.trainer.metrics import (
@@ -262,9 +262,8 @@ def test_logger_writes_jsonl_tensorboard_and_a_console_line(tmp_path, caplog):
             for step, values in logged.items():
                 metrics_logger.log(step, values, total_steps=100, eta_seconds=83.4)
 
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     expected = [{"step": step, **values} for step, values in logged.items()]
-    assert [json.loads(line) for line in lines] == expected
+    assert read_metrics(tmp_path) == expected
 
     events = EventAccumulator(str(tmp_path / "tb" / "run"))
     events.Reload()
@@ -337,8 +336,7 @@ def test_nothing_is_written_before_the_first_log(tmp_path):
     with MetricsLogger(str(dump), rank=0, enable_tensorboard=True, run_name="run") as metrics_logger:
         assert not dump.exists()
         metrics_logger.log(3, {AVG_LOSS: 2.5})
-    assert [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()] == [
-        {"step": 3, AVG_LOSS: 2.5}]
+    assert read_metrics(dump) == [{"step": 3, AVG_LOSS: 2.5}]
     events = EventAccumulator(str(dump / "tb" / "run"))
     events.Reload()
     assert [(s.step, s.value) for s in events.Scalars(AVG_LOSS)] == [(3, 2.5)]

@@ -3,39 +3,22 @@ same losses as one launcher with the same four ranks."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.distributed_utils import free_port
+from tests.harness import AVG_LOSS, ONE_ROW, TRAIN_PY, free_port, read_metrics, start_python, stop, train_py
 
-REPO = Path(__file__).resolve().parent.parent
 # HSDP over 4 ranks: 2 replicas x 2 shards. Tiny so 2 x 4 processes fit on a shared 2-core machine.
-TRAIN_ARGS = [
-    str(REPO / "train.py"), "--config", "llama3_debug.toml",
-    "--training.steps", "3", "--training.seq_len", "32", "--training.local_batch_size", "1",
-    "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1", "--metrics.enable_tensorboard=false",
-    "--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree", "2",
-]
+TRAIN_ARGS = (*ONE_ROW, "--training.steps", "3", "--parallelism.data_parallel_replicate_degree", "2",
+              "--parallelism.data_parallel_shard_degree", "2")
 TIMEOUT_S = 300
 
 
-def launcher_env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-
-
-def torchrun(*launcher_args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", *launcher_args]
-
-
 def read_losses(dump: Path) -> list[float]:
-    records = [json.loads(line) for line in (dump / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(dump)
     assert [r["step"] for r in records] == [1, 2, 3]
-    return [r["loss_metrics/global_avg_loss"] for r in records]
+    return [r[AVG_LOSS] for r in records]
 
 
 @pytest.mark.slow
@@ -44,22 +27,16 @@ def test_two_launchers_with_c10d_rendezvous_match_one_launcher(tmp_path):
     # the node ranks (whichever launcher binds the endpoint's port hosts the store, the other joins).
     port = free_port()
     nodes_dump = tmp_path / "two_nodes"  # shared by both "nodes", as on a cluster's shared file system
-    multi_node = torchrun("--nnodes", "2", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
-                          "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "titan_simple_test",
-                          *TRAIN_ARGS, "--job.dump_folder", str(nodes_dump))
+    multi_node = ("-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2", "--rdzv_backend", "c10d",
+                  "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "titan_simple_test", TRAIN_PY, *TRAIN_ARGS,
+                  "--job.dump_folder", nodes_dump)
     logs = [tmp_path / f"node{i}.log" for i in range(2)]
-    launchers = []
-    for log in logs:
-        with open(log, "w") as out:
-            launchers.append(subprocess.Popen(multi_node, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                              env=launcher_env()))
+    launchers = [start_python(*multi_node, log=log) for log in logs]
     try:
         codes = [launcher.wait(timeout=TIMEOUT_S) for launcher in launchers]
     finally:
         for launcher in launchers:
-            if launcher.poll() is None:
-                launcher.kill()
-                launcher.wait()
+            stop(launcher)
     texts = [log.read_text() for log in logs]
     output = "\n".join(f"--- {log.name}\n{text[-3000:]}" for log, text in zip(logs, texts, strict=True))
     assert codes == [0, 0], output
@@ -69,10 +46,7 @@ def test_two_launchers_with_c10d_rendezvous_match_one_launcher(tmp_path):
     assert any("world 4 on " in text for text in texts), output
 
     single_dump = tmp_path / "one_node"
-    single = subprocess.run(torchrun("--standalone", "--nproc_per_node", "4", *TRAIN_ARGS,
-                                     "--job.dump_folder", str(single_dump)),
-                            capture_output=True, text=True, timeout=TIMEOUT_S, cwd=REPO, env=launcher_env())
-    assert single.returncode == 0, single.stderr[-3000:]
+    train_py(*TRAIN_ARGS, "--job.dump_folder", single_dump, nproc=4, timeout=TIMEOUT_S)
 
     two_nodes, one_node = read_losses(nodes_dump), read_losses(single_dump)
     # The same 4 ranks, mesh and collectives in the same order: bitwise equal, not merely close.

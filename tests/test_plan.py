@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import ast
 import collections
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.harness import REPO, run_python
 from titan_simple.config import load_job_config
 from titan_simple.core.plan import resolve_plan
 from titan_simple.errors import ConfigError
 
-REPO = Path(__file__).resolve().parent.parent
 PLAN_FILE = REPO / "titan_simple" / "core" / "plan.py"
 # Every derived decision's function (in core/plan.py, the model's in models/from_config.py); resolve_plan is the
 # only caller outside tests.
@@ -343,6 +341,5 @@ def test_the_status_and_launcher_scripts_import_no_model_or_compiler():
     """scripts/run_status.py and scripts/fault_tolerance.py answer in a couple of seconds: the fault-tolerance and
     run-status modules they import reach neither the model, the parallelisms nor the compiler (a StepFeature
     import from core/step.py once cost every call of run_status.py ~2 s)."""
-    done = subprocess.run([sys.executable, "-c", LIGHT_SCRIPT_IMPORTS], capture_output=True, text=True, timeout=120,
-                          cwd=REPO)
+    done = run_python("-c", LIGHT_SCRIPT_IMPORTS, timeout=120, expect=None)
     assert "HEAVY []" in done.stdout, done.stdout + done.stderr[-2000:]

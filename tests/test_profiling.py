@@ -5,11 +5,8 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import pickle
 import re
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
@@ -18,14 +15,13 @@ import torch
 from torch import nn
 
 from tests.distributed_utils import run_on_ranks
+from tests.harness import DEBUG, SMALL, run_python, train_py
 from titan_simple.config import Profiling, load_job_config
 from titan_simple.core.plan import resolve_plan
 from titan_simple.errors import ConfigError
 from titan_simple.trainer import torch_private
 from titan_simple.trainer.profiling import Profiler
 from titan_simple.trainer.trainer import Trainer
-
-REPO = Path(__file__).resolve().parent.parent
 
 
 def read_trace(path: Path) -> list[dict]:
@@ -117,10 +113,8 @@ def test_profiling_config_errors_are_one_line():
 
 def test_trainer_writes_a_trace_and_a_cpu_memory_timeline(tmp_path, caplog):
     config = load_job_config([
-        "--config", "llama3_debug.toml", "--training.steps", "2", "--training.seq_len", "32",
-        "--training.local_batch_size", "2", "--lr_scheduler.warmup_steps", "1", "--metrics.enable_tensorboard",
-        "false", "--job.dump_folder", str(tmp_path), "--profiling.enable_profiling", "--profiling.profile_freq", "2",
-        "--profiling.profiler_warmup", "1", "--profiling.enable_memory_snapshot",
+        *SMALL, "--training.steps", "2", "--job.dump_folder", str(tmp_path), "--profiling.enable_profiling",
+        "--profiling.profile_freq", "2", "--profiling.profiler_warmup", "1", "--profiling.enable_memory_snapshot",
     ])
     with caplog.at_level("INFO", logger="titan_simple"):
         Trainer(config).train()
@@ -208,12 +202,9 @@ def test_torch_still_misses_frees_made_on_other_threads():
 def test_cpu_memory_timeline_on_two_processes_is_refused_in_one_line_at_start(tmp_path):
     """The README's command, as a new user runs it: one line from rank 0, exit status 2 from the ranks, before
     any data, model or profiler work."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(REPO / "train.py"), "--config", "llama3_debug.toml", "--profiling.enable_profiling",
-               "--profiling.profile_freq", "10", "--profiling.enable_memory_snapshot", "--job.dump_folder",
-               str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=REPO, env=env)
+    result = train_py(*DEBUG, "--profiling.enable_profiling", "--profiling.profile_freq", "10",
+                      "--profiling.enable_memory_snapshot", "--job.dump_folder", tmp_path, nproc=2, timeout=120,
+                      expect=None)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and re.match("error: " + MEMORY_SNAPSHOT_ON_CPU, errors[0]), result.stderr
@@ -250,8 +241,6 @@ print("stopped cleanly", flush=True)
 def test_a_failed_export_is_raised_from_step_and_the_profiler_still_stops(tmp_path):
     """torch's profiler dies of SIGSEGV on stop() when on_trace_ready raised while the next cycle began; the
     error must come out of Profiler.step instead, and stop() must work (a subprocess: a regression segfaults)."""
-    result = subprocess.run([sys.executable, "-c", FAILING_EXPORT.format(dump=str(tmp_path))], capture_output=True,
-                            text=True, timeout=120, cwd=REPO)
-    assert result.returncode == 0, result.stderr[-2000:]
+    result = run_python("-c", FAILING_EXPORT.format(dump=str(tmp_path)), timeout=120)
     assert "raised at step 2: [Errno 28] No space left on device" in result.stdout
     assert "stopped cleanly" in result.stdout

@@ -9,21 +9,28 @@ import os
 import signal
 import stat
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from tests.harness import (
+    DEBUG,
+    ONE_ROW,
+    REPO,
+    TRAIN_PY,
+    finish,
+    output_of,
+    run_python,
+    start_python,
+    wait_for_logged_steps,
+)
 from titan_simple.trainer.checkpoint_files import complete_steps
 from titan_simple.trainer.run_status import RunStatus, read_run_status
 
-REPO = Path(__file__).resolve().parent.parent
 RUN_STATUS = REPO / "scripts" / "run_status.py"
 SLURM_SCRIPT = REPO / "scripts" / "multinode.slurm"
 RESUMABLE = 75
-TINY = ["--config", "llama3_debug.toml", "--training.seq_len", "32", "--training.local_batch_size", "1",
-        "--lr_scheduler.warmup_steps", "1", "--metrics.log_freq", "1", "--metrics.enable_tensorboard=false"]
 
 
 GROUP_1 = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--fault_tolerance.replica_id", "1"]
@@ -31,10 +38,8 @@ GROUP_1 = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--f
 
 def run_status_verdict(dump: Path, since: float | None = None, *extra: str) -> tuple[int, str]:
     since_args = [] if since is None else ["--since", str(since)]
-    result = subprocess.run([sys.executable, str(RUN_STATUS), *since_args, "--config", "llama3_debug.toml",
-                             "--job.dump_folder", str(dump), *extra], capture_output=True, text=True, timeout=60,
-                            cwd=REPO)
-    return result.returncode, result.stdout + result.stderr
+    result = run_python(RUN_STATUS, *since_args, *DEBUG, "--job.dump_folder", dump, *extra, timeout=60, expect=None)
+    return result.returncode, output_of(result)
 
 
 # ------------------------------------------------------------------------------------- the verdict, no training
@@ -153,38 +158,18 @@ def test_slurm_script_requeues_after_a_stop_on_request_only(tmp_path, outcome, s
 
 
 def start_torchrun(entry: Path, dump: Path, *extra: str) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(entry),
-               *TINY, "--training.steps", "500", "--job.dump_folder", str(dump), "--checkpoint.enable",
-               "--checkpoint.interval", "1000", *extra]
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
-
-
-def wait_for_steps(launcher: subprocess.Popen, dump: Path, steps: int, timeout_s: float = 300) -> None:
-    metrics, deadline = dump / "metrics.jsonl", time.monotonic() + timeout_s
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
-        assert launcher.poll() is None, launcher.communicate()[0][-3000:]
-        assert time.monotonic() < deadline, "the job did not start training"
-        time.sleep(0.2)
-
-
-def finish(launcher: subprocess.Popen, timeout_s: float = 120) -> str:
-    try:
-        return launcher.communicate(timeout=timeout_s)[0]
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+    return start_python(entry, *ONE_ROW, "--training.steps", "500", "--job.dump_folder", dump, "--checkpoint.enable",
+                        "--checkpoint.interval", "1000", *extra, nproc=2)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_to_torchrun_stops_with_a_checkpoint_and_a_stopped_status(tmp_path, signum):
     launched_at = time.time()
-    launcher = start_torchrun(REPO / "train.py", tmp_path)
-    wait_for_steps(launcher, tmp_path, 2)
+    launcher = start_torchrun(TRAIN_PY, tmp_path)
+    wait_for_logged_steps(launcher, tmp_path / "metrics.jsonl", 2, timeout_s=300)
     launcher.send_signal(signum)  # Ctrl-C, or Slurm's SIGTERM before the time limit
-    output = finish(launcher)
+    output = finish(launcher, timeout_s=120)
 
     # torch 2.13's torchrun re-raises its SignalException: 1 whatever the workers did (README, Checkpoints).
     assert launcher.returncode == 1, output[-3000:]
@@ -221,7 +206,7 @@ def test_a_crashing_rank_never_leaves_a_stopped_status(tmp_path):
     where an earlier launch left ``stopped``."""
     RunStatus(str(tmp_path), rank=0, steps=500).write("stopped", 1, signal="SIGTERM", checkpoint="/earlier/step-1")
     entry = tmp_path / "raising_rank.py"
-    entry.write_text(RAISING_RANK.format(repo=str(REPO), train=str(REPO / "train.py")))
+    entry.write_text(RAISING_RANK.format(repo=str(REPO), train=str(TRAIN_PY)))
     launched_at = time.time()
     output = finish(start_torchrun(entry, tmp_path), timeout_s=300)
 

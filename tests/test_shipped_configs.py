@@ -18,17 +18,16 @@ the numbers by orders of magnitude more.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from tests.distributed_utils import run_on_ranks
+from tests.harness import REPO
 from tests.parity import Recipe, build_layout, max_grad_diff, max_rel_diff, train_steps
 from titan_simple.config import load_job_config
 from titan_simple.core.plan import resolve_plan
 from titan_simple.errors import ConfigError
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+CONFIGS = REPO / "configs"
 DEBUG_SCALE = ("--model.flavor=debugmodel", "--model.tokenizer_path=assets/tokenizer/shakespeare_bpe_2k.json",
                "--training.seq_len=64", "--metrics.enable_tensorboard=false", "--model.attention=sdpa")
 # Blocks of the debug model: 2 (each block compiles to the same kernels; fewer blocks, less compile time), 4 where

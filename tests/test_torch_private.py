@@ -12,9 +12,9 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import os
 import re
 import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from tests.distributed_utils import single_rank_process_group
+from tests.harness import REPO, run_python
 
 PRIVATE_MODULES = ("titan_simple.parallel.torch_private", "titan_simple.compile.inductor_private",
                    "titan_simple.dry_run.torch_private", "titan_simple.trainer.torch_private")
-REPO = Path(__file__).resolve().parent.parent
 # Each guarded module and the private torch modules it imports (checked with torch 2.13): a new private import is
 # added here, with its entries in the module's PRIVATE_APIS, or the test below fails.
 PRIVATE_IMPORTS = {
@@ -164,11 +164,11 @@ def test_the_wrappers_work():
     inspect.signature(private.DeviceMesh._get_root_mesh).bind(None)
 
 
-REPRO_RNG = Path(__file__).resolve().parent.parent / "tests" / "repro_rng_state_after_device_mesh.py"
+REPRO_RNG = REPO / "tests" / "repro_rng_state_after_device_mesh.py"
 
 
 def _repro(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPRO_RNG), *args], capture_output=True, text=True, timeout=600)
+    return run_python(REPRO_RNG, *args, env=os.environ, timeout=600, expect=None)
 
 
 def test_compiled_recompute_of_attention_over_dtensor_parameters_matches_eager():

@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from tests.harness import (
+    DEBUG,
+    FP32,
+    NO_TENSORBOARD,
+    TWO_BLOCKS,
+    finish,
+    read_metrics,
+    start_train_py,
+    stop,
+    train_py,
+    wait_for_logged_steps,
+)
 from titan_simple.config import load_job_config
 from titan_simple.core.step import StepHooks
 from titan_simple.core.step_feature import StepFeature
@@ -18,19 +28,14 @@ from titan_simple.errors import NonFiniteTraining
 from titan_simple.trainer.loop_feature import LoopFeature, Progress
 from titan_simple.trainer.trainer import Trainer
 
-REPO = Path(__file__).resolve().parent.parent
-TINY = ["--training.steps", "6", "--training.seq_len", "64", "--training.local_batch_size", "2",
-        "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0.5", "--metrics.log_freq", "3",
-        "--training.mixed_precision_param", "float32"]  # fp32 on every CPU: the comparisons are at fp32 precision
+# The debug model's six blocks, logged at steps 1, 3 and 6; fp32 on every CPU: the comparisons are at fp32 precision.
+TINY = (*DEBUG, "--training.steps", "6", "--training.seq_len", "64", "--training.local_batch_size", "2",
+        "--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0.5", "--metrics.log_freq", "3", *FP32)
 
 
 def run_in_process(tmp_path: Path, *extra: str) -> list[float]:
-    config = load_job_config(["--config", "llama3_debug.toml", *TINY, "--job.dump_folder", str(tmp_path), *extra])
+    config = load_job_config([*TINY, "--job.dump_folder", str(tmp_path), *extra])
     return Trainer(config).train()
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_same_config_same_losses_and_files(tmp_path):
@@ -40,7 +45,7 @@ def test_same_config_same_losses_and_files(tmp_path):
     assert len(first) == 6 and all(7.0 < loss < 9.0 for loss in first[:1])
     assert first[-1] < first[0]
 
-    records = read_jsonl(tmp_path / "a" / "metrics.jsonl")
+    records = read_metrics(tmp_path / "a")
     assert [r["step"] for r in records] == [1, 3, 6]
     assert [r["loss_metrics/global_avg_loss"] for r in records] == [first[0], first[2], first[5]]
     for key in ("grad_norm", "lr", "throughput(tps)", "tflops", "time_metrics/data_loading(%)"):
@@ -64,24 +69,16 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
     assert accumulated == pytest.approx(big, rel=1e-5)
 
 
-def torchrun(nproc: int, dump: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone",
-               str(REPO / "train.py"), "--config", "llama3_debug.toml", *TINY, "--job.dump_folder", str(dump),
-               *extra]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
-
-
 @pytest.mark.slow
 def test_torchrun_two_processes_simple_fsdp_matches_fsdp2(tmp_path):
     runs = {}
     for implementation in ("simple", "fsdp2"):
-        result = torchrun(2, tmp_path / implementation, "--parallelism.fsdp_implementation", implementation)
-        assert result.returncode == 0, result.stderr[-3000:]
+        result = train_py(*TINY, "--job.dump_folder", tmp_path / implementation, "--parallelism.fsdp_implementation",
+                          implementation, nproc=2)
         wrapper = {"simple": "SimpleFSDP", "fsdp2": "FSDP2"}[implementation]
         assert "world 2 on cpu: dp_shard2" in result.stderr  # the plan, logged at start-up
         assert f"data parallel: {wrapper} fully_shard" in result.stderr
-        runs[implementation] = read_jsonl(tmp_path / implementation / "metrics.jsonl")  # only rank 0 writes
+        runs[implementation] = read_metrics(tmp_path / implementation)  # only rank 0 writes
     simple, fsdp2 = runs["simple"], runs["fsdp2"]
     assert [r["step"] for r in simple] == [1, 3, 6]
     # The ranks read different data, so their mean losses differ: the max over ranks exceeds the mean.
@@ -111,8 +108,8 @@ def _poison_step(trainer: Trainer, bad_step: int) -> list[int]:
 
 
 def test_nonfinite_gradient_norm_stops_the_run_naming_the_step_and_checkpoint(tmp_path):
-    config = load_job_config(["--config", "llama3_debug.toml", *TINY, "--job.dump_folder", str(tmp_path),
-                              "--checkpoint.enable", "--checkpoint.interval", "2"])
+    config = load_job_config([*TINY, "--job.dump_folder", str(tmp_path), "--checkpoint.enable",
+                              "--checkpoint.interval", "2"])
     trainer = Trainer(config)
     stepped = _poison_step(trainer, bad_step=3)
     with pytest.raises(NonFiniteTraining, match=r"^step 3: .*nan.* the last good checkpoint is .*step-2\. .*and "
@@ -121,8 +118,7 @@ def test_nonfinite_gradient_norm_stops_the_run_naming_the_step_and_checkpoint(tm
     assert "no checkpoint" not in str(error.value)
     assert stepped == [1, 2]  # the poisoned step never reached the optimizer
     assert not (tmp_path / "checkpoint" / "step-3").exists()
-    without = Trainer(load_job_config(["--config", "llama3_debug.toml", *TINY, "--job.dump_folder",
-                                       str(tmp_path / "none")]))
+    without = Trainer(load_job_config([*TINY, "--job.dump_folder", str(tmp_path / "none")]))
     _poison_step(without, bad_step=2)
     with pytest.raises(NonFiniteTraining, match=r"no checkpoint was saved\. .*and start again, or set") as error:
         without.train()
@@ -130,8 +126,7 @@ def test_nonfinite_gradient_norm_stops_the_run_naming_the_step_and_checkpoint(tm
 
 
 def test_skip_nonfinite_steps_skips_only_that_step(tmp_path):
-    config = load_job_config(["--config", "llama3_debug.toml", *TINY, "--job.dump_folder", str(tmp_path),
-                              "--training.skip_nonfinite_steps"])
+    config = load_job_config([*TINY, "--job.dump_folder", str(tmp_path), "--training.skip_nonfinite_steps"])
     trainer = Trainer(config)
     stepped = _poison_step(trainer, bad_step=2)
     losses = trainer.train()
@@ -195,8 +190,8 @@ def test_loop_features_move_the_loop_count_its_tokens_and_decide_who_writes(tmp_
     rows, tokens_per_step = 2, 2 * 64  # local batch 2 on one process, seq_len 64
     feature = JumpingFeature(tokens_at_jump=1000, rows_per_step=rows)
     monkeypatch.setattr(trainer_module, "build_loop_features", lambda *args: [feature])
-    config = load_job_config(["--config", "llama3_debug.toml", *TINY, "--training.steps", "4", "--job.dump_folder",
-                              str(tmp_path), "--checkpoint.enable", "--checkpoint.interval", "1"])
+    config = load_job_config([*TINY, "--training.steps", "4", "--job.dump_folder", str(tmp_path),
+                              "--checkpoint.enable", "--checkpoint.interval", "1"])
     trainer = Trainer(config)
     assert trainer.run.step.features == (feature.counter,)
     losses = trainer.train()
@@ -212,7 +207,7 @@ def test_loop_features_move_the_loop_count_its_tokens_and_decide_who_writes(tmp_
     ]
     assert trainer.global_step == 4 and trainer.tokens_seen == 1000 + 2 * tokens_per_step
     assert trainer.dataloader.dataset.consumed == 4 * rows  # step 4 read the 4th global batch
-    records = read_jsonl(tmp_path / "metrics.jsonl")
+    records = read_metrics(tmp_path)
     assert [(r["step"], r["feature/answer"]) for r in records] == [(1, 42.0), (4, 42.0)]
     assert not (tmp_path / "checkpoint").exists() or not any((tmp_path / "checkpoint").iterdir())
     assert json.loads((tmp_path / "run_status.json").read_text())["state"] == "finished"
@@ -237,32 +232,23 @@ def _worker_pid(launcher_pid: int, rank: int) -> int | None:
 @pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="finds the worker through /proc (Linux)")
 def test_a_dead_rank_ends_the_job_promptly_and_is_named(tmp_path):
     """SIGKILL one worker mid-run: the launcher ends the job (no hang on the survivor's next collective) with
-    a non-zero status and a report naming the dead rank and its signal."""
+    a non-zero status and a report naming the dead rank and its signal. Two blocks: the job's depth is not what
+    this checks, and a shallower job reaches its second step sooner."""
     import signal
     import time
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone",
-               str(REPO / "train.py"), "--config", "llama3_debug.toml", "--training.steps", "100000",
-               "--training.seq_len", "64", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-               "--metrics.enable_tensorboard=false", "--job.dump_folder", str(tmp_path)]
-    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                                cwd=REPO)
+    launcher = start_train_py(*TWO_BLOCKS, "--training.steps", "100000", "--training.local_batch_size", "2",
+                              *NO_TENSORBOARD, "--job.dump_folder", tmp_path, nproc=2)
     try:
-        deadline = time.monotonic() + 600
-        metrics = tmp_path / "metrics.jsonl"
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-            assert launcher.poll() is None and time.monotonic() < deadline, "the job did not start training"
-            time.sleep(0.5)
+        wait_for_logged_steps(launcher, tmp_path / "metrics.jsonl", 2, timeout_s=600)
         victim = _worker_pid(launcher.pid, rank=1)
         assert victim is not None
         os.kill(victim, signal.SIGKILL)
         killed_at = time.monotonic()
-        output, _ = launcher.communicate(timeout=300)
+        output = finish(launcher, timeout_s=300)
         ended_after = time.monotonic() - killed_at
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
+        stop(launcher)
     print(f"job ended {ended_after:.1f} s after rank 1 was killed")
     assert launcher.returncode != 0
     assert ended_after < 120, ended_after  # measured: a few seconds (gloo sees the closed connection at once)

@@ -3,7 +3,6 @@ and on every parallel layout (the same model evaluated on the same batches gives
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 
@@ -15,6 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch.distributed.tensor import DTensor
 
 from tests.distributed_utils import run_on_ranks
+from tests.harness import read_metrics
 from titan_simple.config import load_job_config
 from titan_simple.data import Tokenizer, build_dataloader
 from titan_simple.data.datasets import shakespeare_files
@@ -98,7 +98,7 @@ def test_validation_loss_equals_hand_computed_loss_and_is_logged(tmp_path, caplo
     after = trainer.validator.validate()
     assert after["validation_metrics/loss"] == pytest.approx(hand_computed_loss(model, batches), rel=1e-6)
 
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    records = read_metrics(tmp_path)
     validation = [r for r in records if "validation_metrics/loss" in r]
     assert [r["step"] for r in validation] == [2, 4]
     assert validation[-1]["validation_metrics/loss"] == pytest.approx(after["validation_metrics/loss"], rel=1e-6)

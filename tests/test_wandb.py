@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 import sys
 import types
 from dataclasses import dataclass
@@ -20,7 +19,14 @@ from typing import Any
 
 import pytest
 
-from tests.test_first_hour import COMMON, REPO, assert_one_line_error, bad_input, train_in_process
+from tests.harness import (
+    FIRST_HOUR_JOB,
+    assert_one_line_error,
+    bad_input,
+    read_metrics,
+    run_python,
+    train_in_process,
+)
 from titan_simple.config import load_job_config
 from titan_simple.errors import ConfigError
 from titan_simple.trainer.metrics import AVG_LOSS, LR, VALIDATION_LOSS, MetricsLogger
@@ -108,7 +114,7 @@ def test_an_offline_run_holds_what_metrics_jsonl_holds_and_a_resume_continues_it
     assert sorted(first.history) == [1, 2, 4]
     assert first.history == jsonl_by_step(first_lines)  # same keys, same steps, equal floats
     assert {VALIDATION_LOSS, AVG_LOSS, LR, "throughput(tps)", "grad_norm"} <= set(first.history[4])
-    argv = [*COMMON, "--job.dump_folder", str(dump), *RUN]
+    argv = [*FIRST_HOUR_JOB, "--job.dump_folder", str(dump), *RUN]
     assert first.config == json.loads(json.dumps(load_job_config([*argv, "--training.steps", "4"]).to_dict()))
     # One line of ours says where the run is; wandb's own banner and summary are silenced.
     where = [r.getMessage() for r in caplog.records if r.getMessage().startswith("W&B: ")]
@@ -187,8 +193,7 @@ def test_steps_a_resumed_wandb_run_already_holds_stay_in_the_files_only(monkeypa
     (run,) = wandb.runs
     assert wandb.inits[0]["id"] == "kept1234" and wandb.inits[0]["resume"] == "allow"
     assert run.logged == [(7, {AVG_LOSS: 7.0}), (8, {AVG_LOSS: 8.0, LR: 0.5}), (8, {VALIDATION_LOSS: 4.0})]
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
-        5, 6, 7, 8, 8]
+    assert [record["step"] for record in read_metrics(tmp_path)] == [5, 6, 7, 8, 8]
     warnings = [r.getMessage() for r in caplog.records if "W&B run" in r.getMessage()]
     assert warnings == ["W&B run kept1234 already holds steps up to 6 (this run resumed from an earlier checkpoint): "
                         "steps before 7 go to metrics.jsonl and TensorBoard only"]
@@ -254,6 +259,5 @@ def test_wandb_is_imported_only_when_enabled():
     """Importing wandb takes ~1.7 s: the trainer, the plan and the metrics do not, nor does a run without it."""
     probe = ("import sys, titan_simple.trainer.trainer, titan_simple.core.plan, titan_simple.trainer.wandb_run; "
              "print('wandb' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=REPO, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_python("-c", probe, timeout=300)
     assert done.stdout.split() == ["False"]
