@@ -479,6 +479,24 @@ def test_compiled_groups_match_the_plain_run_and_rejoin_bitwise(tmp_path, plain_
         <= COMPILED_RTOL
 
 
+@pytest.mark.slow
+def test_muon_under_replica_groups_matches_the_plain_run(tmp_path):
+    """Muon (float32 Newton-Schulz) in two replica groups of two: the cross-group gradient average comes before the
+    update, each group orthogonalizes its matrices on its own owners: the plain 4-process Muon run's losses and
+    gradient norms, and both groups' parameter and optimizer shards bitwise equal at every step."""
+    muon = ("--optimizer.name", "Muon", "--optimizer.muon_ns_dtype", "float32")
+    train_py(*TINY, *muon, "--training.steps", "4", "--job.dump_folder", tmp_path / "plain", nproc=4)
+    reference = read_metrics(tmp_path / "plain")
+    launch(tmp_path / "ft", 4, *muon)
+    grouped = read_metrics(tmp_path / "ft" / "replica_0")
+    assert all(m[LIVE_GROUPS] == 2 for m in grouped)
+    loss = "loss_metrics/global_avg_loss"
+    assert max_rel_diff([m[loss] for m in grouped], [m[loss] for m in reference]) <= EAGER_RTOL
+    assert max_rel_diff([m["grad_norm"] for m in grouped], [m["grad_norm"] for m in reference]) <= SHARDED_NORM_RTOL
+    for rank in (0, 1):
+        assert hashes(tmp_path / "ft", 0, rank) == hashes(tmp_path / "ft", 1, rank)
+
+
 def test_fault_tolerance_off_builds_no_replica_groups(tmp_path):
     """The default job's step never reaches torchft: no manager, the plain step (losses bitwise as before)."""
     from titan_simple.trainer.trainer import Trainer
