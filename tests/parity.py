@@ -104,14 +104,25 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
     return (t.full_tensor() if isinstance(t, DTensor) else t).detach().clone()
 
 
+def _from_every_stage(layout: Run, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` of this rank's stage; under pipeline parallel those of all stages (every rank)."""
+    if layout.parts.pipeline is None:
+        return tensors
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, tensors)
+    return {k: v for rank_tensors in everyone for k, v in rank_tensors.items()}
+
+
 def full_grads(layout: Run) -> dict[str, torch.Tensor]:
     """Every parameter's gradient, unsharded; under pipeline parallel gathered from all stages (every rank)."""
-    grads = {name: full_tensor(p.grad) for part in layout.parts.modules for name, p in part.named_parameters()}
-    if layout.parts.pipeline is None:
-        return grads
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, grads)
-    return {k: v for rank_grads in everyone for k, v in rank_grads.items()}
+    return _from_every_stage(layout, {name: full_tensor(p.grad) for part in layout.parts.modules
+                                      for name, p in part.named_parameters()})
+
+
+def full_weights(layout: Run) -> dict[str, torch.Tensor]:
+    """Every parameter, unsharded; under pipeline parallel gathered from all stages (every rank)."""
+    return _from_every_stage(layout, {name: full_tensor(p) for part in layout.parts.modules
+                                      for name, p in part.named_parameters()})
 
 
 class _AfterFirstBackward(StepHooks):

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.distributed_utils import run_on_ranks
-from tests.parity import Recipe, build_layout, dp_group, full_tensor
+from tests.parity import Recipe, build_layout, dp_group, full_weights
 
 RECIPE = Recipe(seq_len=32, global_batch=4, steps=3, extra=(
     "--model.n_layers=2", "--optimizer.name=Muon", "--optimizer.muon_ns_dtype=float32", "--optimizer.muon_lr=2e-2",
@@ -53,16 +53,6 @@ FOUR_RANKS = {
 }
 
 
-def _full_weights(layout) -> dict[str, torch.Tensor]:
-    """Every weight, unsharded, on every rank (collectives); under pipeline parallel from every stage."""
-    weights = {name: full_tensor(p) for part in layout.parts.modules for name, p in part.named_parameters()}
-    if layout.parts.pipeline is None:
-        return weights
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, weights)
-    return {k: v for rank_weights in everyone for k, v in rank_weights.items()}
-
-
 def _train(config, world_size: int) -> dict:
     """``RECIPE.steps`` steps: the global losses, the weights after the first step and this rank's Newton-Schulz
     calls. Each data-parallel rank takes its rows of the global batch, in ``accumulation`` microbatches."""
@@ -80,7 +70,7 @@ def _train(config, world_size: int) -> dict:
             dist.all_reduce(loss_sum, group=group)
         out["losses"].append(loss_sum.item() / result.global_tokens)
         if step == 0:
-            out["weights"] = _full_weights(layout)
+            out["weights"] = full_weights(layout)
     out["newton_schulz_calls"] = layout.optimizer.newton_schulz_calls
     return out
 
