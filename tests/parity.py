@@ -113,6 +113,14 @@ def _from_every_stage(layout: Run, tensors: dict[str, torch.Tensor]) -> dict[str
     return {k: v for rank_tensors in everyone for k, v in rank_tensors.items()}
 
 
+def global_loss(result, group) -> float:
+    """A step's loss over the whole global batch: its loss sum summed over the data-parallel ``group``, per token."""
+    loss_sum = result.loss_sum.clone()
+    if group is not None:
+        dist.all_reduce(loss_sum, group=group)
+    return loss_sum.item() / result.global_tokens
+
+
 def full_grads(layout: Run) -> dict[str, torch.Tensor]:
     """Every parameter's gradient, unsharded; under pipeline parallel gathered from all stages (every rank)."""
     return _from_every_stage(layout, {name: full_tensor(p.grad) for part in layout.parts.modules
@@ -165,10 +173,7 @@ def train_steps(layout: Run, recipe: Recipe, steps: int | None = None, keep_grad
     for step in range(recipe.steps if steps is None else steps):
         inputs, labels = recipe.batch(step)
         result = layout.step([(inputs[local], labels[local])])
-        loss_sum = result.loss_sum.clone()
-        if group is not None:
-            dist.all_reduce(loss_sum, group=group)
-        out["losses"].append(loss_sum.item() / result.global_tokens)
+        out["losses"].append(global_loss(result, group))
         out["norms"].append(result.grad_norm.item())
     layout.step.hooks = StepHooks()
     if compiled:

@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.distributed_utils import run_on_ranks
-from tests.parity import Recipe, build_layout, dp_group, full_weights
+from tests.parity import Recipe, build_layout, dp_group, full_weights, global_loss
 
 RECIPE = Recipe(seq_len=32, global_batch=4, steps=3, extra=(
     "--model.n_layers=2", "--optimizer.name=Muon", "--optimizer.muon_ns_dtype=float32", "--optimizer.muon_lr=2e-2",
@@ -65,10 +64,7 @@ def _train(config, world_size: int) -> dict:
     for step in range(RECIPE.steps):
         inputs, labels = (t[local] for t in RECIPE.batch(step))
         result = layout.step(list(zip(inputs.chunk(accumulation), labels.chunk(accumulation), strict=True)))
-        loss_sum = result.loss_sum.clone()
-        if group is not None:
-            dist.all_reduce(loss_sum, group=group)
-        out["losses"].append(loss_sum.item() / result.global_tokens)
+        out["losses"].append(global_loss(result, group))
         if step == 0:
             out["weights"] = full_weights(layout)
     out["newton_schulz_calls"] = layout.optimizer.newton_schulz_calls
