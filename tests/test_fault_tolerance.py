@@ -489,11 +489,13 @@ def test_muon_under_replica_groups_matches_the_plain_run(tmp_path):
     reference = read_metrics(tmp_path / "plain")
     launch(tmp_path / "ft", 4, *muon)
     grouped = read_metrics(tmp_path / "ft" / "replica_0")
+    assert [m["step"] for m in grouped] == [m["step"] for m in reference] == [1, 2, 3, 4]
     assert all(m[LIVE_GROUPS] == 2 for m in grouped)
     loss = "loss_metrics/global_avg_loss"
     assert max_rel_diff([m[loss] for m in grouped], [m[loss] for m in reference]) <= EAGER_RTOL
     assert max_rel_diff([m["grad_norm"] for m in grouped], [m["grad_norm"] for m in reference]) <= SHARDED_NORM_RTOL
     for rank in (0, 1):
+        assert sorted(hashes(tmp_path / "ft", 0, rank)) == [1, 2, 3, 4]
         assert hashes(tmp_path / "ft", 0, rank) == hashes(tmp_path / "ft", 1, rank)
 
 
