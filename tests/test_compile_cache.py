@@ -32,6 +32,11 @@ def test_the_post_grad_pass_has_a_stable_cache_key_that_names_its_settings():
     keys = {_pass().uuid(), _pass(bucketing="auto", plan=None).uuid(), _pass(reorder=False).uuid(),
             _pass(plan=["tok_embeddings", ["layers.0", "norm", "output"]]).uuid()}
     assert len(keys) == 4
+    # The run's compile fingerprint is a part of the key: a graph is reused only where its comm plan's copy,
+    # kept under that fingerprint, is found. CI reused a suite-wide cache folder after an edit of this package:
+    # the graphs were the same, the fingerprint not, and 6 tests found graphs without a plan.
+    assert _pass(fingerprint="run a").uuid() == _pass(fingerprint="run a").uuid()
+    assert len({_pass().uuid(), _pass(fingerprint="run a").uuid(), _pass(fingerprint="run b").uuid()}) == 3
 
 
 def test_checkpoint_context_fns_pickle_and_hash_by_policy():

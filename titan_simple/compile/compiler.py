@@ -112,22 +112,27 @@ def transformer_block_plan(model: nn.Module) -> list[str | list[str]]:
 class _OverlapPass(CustomGraphPass):
     """Our post-grad pass: bucket / reorder the collectives, then record them. ``uuid()`` makes the graphs it
     shapes cacheable (Inductor's FX graph cache, and so AOTAutograd's): on a cache hit the pass does not run,
-    and the comm plan comes from the compile cache's copy (``compile/cache.py``)."""
+    and the comm plan comes from the compile cache's copy (``compile/cache.py``), which is kept under the run's
+    compile fingerprint. The fingerprint is a part of the uuid, so that a graph is reused exactly when its plan's
+    copy was kept under the same name: a run whose fingerprint changed but whose graphs did not (this package's
+    source edited elsewhere, a setting the graphs ignore) compiles again rather than load graphs without a plan."""
 
     def __init__(self, bucketing: str, plan, reorder: bool, cpu: bool, estimator, recorder: CommPlanRecorder,
-                 sink_groups: frozenset[str] = frozenset()):
+                 sink_groups: frozenset[str] = frozenset(), fingerprint: str = ""):
         self.bucketing, self.plan, self.reorder, self.cpu = bucketing, plan, reorder, cpu
         self.estimator, self.recorder = estimator, recorder
         self.sink_groups = sink_groups  # regional: whose last reduction's wait sinks (sink_last_reduce_scatter_waits)
+        self.fingerprint = fingerprint
 
     def uuid(self) -> str:
         """What decides the pass's output besides the graph: its settings, the source of every module that
-        shapes it, and the torch version. The calibrated CPU runtime model of ``auto`` bucketing changes every
-        run and only moves bucket boundaries (any bucketing computes the same values): only whether there is
-        one enters the key."""
+        shapes it, the torch version, and the run's compile fingerprint (which names the comm plan's copy). The
+        calibrated CPU runtime model of ``auto`` bucketing changes every run and only moves bucket boundaries (any
+        bucketing computes the same values): only whether there is one enters the key."""
         settings = {"bucketing": self.bucketing, "plan": self.plan, "reorder": self.reorder, "cpu": self.cpu,
                     "sink_groups": sorted(self.sink_groups),
-                    "estimator": self.estimator is not None, "torch": torch.__version__}
+                    "estimator": self.estimator is not None, "torch": torch.__version__,
+                    "run": self.fingerprint}
         digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode())
         for path in _PASS_SOURCES:
             digest.update(path.read_bytes())
@@ -283,7 +288,7 @@ def compile_model(
                                 group_labels=labels)
     # Regional compilation (modules=...): a region's last gradient reduction can wait at its graph's end.
     sink_groups = frozenset(data_parallel_group_names(model)) if modules is not None and reorder else frozenset()
-    overlap_pass = _OverlapPass(bucketing, plan, reorder, cpu, estimator, recorder, sink_groups)
+    overlap_pass = _OverlapPass(bucketing, plan, reorder, cpu, estimator, recorder, sink_groups, fingerprint or "")
     if fingerprint:
         _keep_comm_plan(recorder, fingerprint, overlap_pass.uuid(), session)
     # One options dict (one pass object) for every module: Dynamo then reuses one module's compiled code for

@@ -32,9 +32,9 @@ def compile_fingerprint(config: JobConfig, model_args: ModelArgs, parallel: Para
                         attention: AttentionPlan | None, device_type: str) -> tuple[str, tuple[tuple[str, str], ...]]:
     """What this rank's compiled graphs are made of, hashed, and each named part's own short hash: the model,
     the layout and what the recipe applies (dtypes, checkpointing, compile settings), the loss, the shapes of a
-    microbatch, the torch version and this package's source. It names the comm plan's copy in the compile cache
-    (torch's own cache keys decide whether a graph is reused; this only has to tell one run's graphs from
-    another's), and the parts say why a start compiles again (``compile/cache.describe_recompile``). On CPU the
+    microbatch, the torch version and this package's source. It names the comm plan's copy in the compile cache and
+    enters torch's cache keys through our pass's uuid (a graph is reused only with its plan's copy), and the parts
+    say why a start compiles again (``compile/cache.describe_recompile``). On CPU the
     thread count is a part too, kept as the number: Inductor's CPU kernels are keyed by it (``CPU_THREADS``)."""
     training = config.training
     recipe = dataclasses.replace(parallel, compile=dataclasses.replace(
