@@ -138,6 +138,10 @@ def _set(config: JobConfig, section: str, key: str, value: Any, source: str, fro
     tp = types_by_key[key]
     if from_cli and isinstance(value, str):
         value = _parse_cli_value(value, tp)
+    if typing.get_origin(tp) is list and dataclasses.is_dataclass(typing.get_args(tp)[0]):
+        setattr(section_obj, key, _tables(value, typing.get_args(tp)[0], f"{source}: [[{section}.{key}]]"))
+        config.sources[f"{section}.{key}"] = source
+        return
     try:
         value = _coerce(value, tp)
     except TypeError:
@@ -151,6 +155,26 @@ def _set(config: JobConfig, section: str, key: str, value: Any, source: str, fro
         )
     setattr(section_obj, key, value)
     config.sources[f"{section}.{key}"] = source
+
+
+def _tables(value: Any, item_type: type, where: str) -> list[Any]:
+    """A TOML array of tables (``[[training.mixture]]``, or the same inline on the command line) as a list of
+    ``item_type``, each key checked like a section's."""
+    if not isinstance(value, list) or not all(isinstance(item, dict) for item in value):
+        raise ConfigError(f"{where} must be tables ([[...]] in TOML, or [{{name = ..., ...}}] on the command line).")
+    types_by_key, items = _field_types(item_type), []
+    for number, table in enumerate(value, start=1):
+        item = item_type()
+        for key, item_value in table.items():
+            if key not in types_by_key:
+                raise ConfigError(f"{where} entry {number}: unknown key '{key}'.{_suggest(key, list(types_by_key))}")
+            try:
+                setattr(item, key, _coerce(item_value, types_by_key[key]))
+            except TypeError:
+                raise ConfigError(f"{where} entry {number}: {key} = {item_value!r} has the wrong type; expected "
+                                  f"{_type_name(types_by_key[key])}.") from None
+        items.append(item)
+    return items
 
 
 def resolve_config_path(name: str) -> Path:
@@ -244,6 +268,31 @@ def _require(ok: bool, config: JobConfig, section: str, key: str, expected: str)
         raise ConfigError(f"{source}: [{section}] {key} = {value!r} is impossible; expected {expected}.")
 
 
+def _check_mixture(config: JobConfig) -> None:
+    """[[training.mixture]]: named sources, positive weights, and not beside a single dataset."""
+    mixture = config.training.mixture
+    if not mixture:
+        return
+    where = f"{config.sources['training.mixture']}: [[training.mixture]]"
+    for single in ("dataset", "dataset_path"):
+        # A mixture on the command line replaces a config file's single dataset; set in one place, both are a slip.
+        set_in = config.sources.get(f"training.{single}")
+        if set_in is not None and not (config.sources["training.mixture"] == "command line" != set_in):
+            raise ConfigError(f"{set_in}: [training] {single} is set beside [[training.mixture]]; name every source "
+                              "in the mixture and remove it.")
+    names = [entry.name for entry in mixture]
+    for number, entry in enumerate(mixture, start=1):
+        if not entry.name or any(c.isspace() or c in "/=," for c in entry.name):
+            raise ConfigError(f"{where} entry {number}: name {entry.name!r} must be a word (no spaces, '/', '=' or "
+                              "','): it names the source in logs and metrics.")
+        if not (entry.weight > 0 and entry.weight < float("inf")):
+            raise ConfigError(f"{where} '{entry.name}': weight = {entry.weight!r} is impossible; expected a positive "
+                              "share of the tokens.")
+    duplicates = sorted({name for name in names if names.count(name) > 1})
+    if duplicates:
+        raise ConfigError(f"{where}: the name(s) {', '.join(duplicates)} appear twice; give every source its own.")
+
+
 def validate(config: JobConfig) -> None:
     """Value checks that need no hardware (world-size checks live in ParallelDims)."""
     training, parallelism = config.training, config.parallelism
@@ -257,6 +306,7 @@ def validate(config: JobConfig) -> None:
     _require(training.global_batch_size == -1 or training.global_batch_size > 0, config, "training",
              "global_batch_size", "-1 or a positive integer")
     _require(training.seq_len > 0, config, "training", "seq_len", "a positive integer")
+    _check_mixture(config)
     _require(training.loss_chunks > 0, config, "training", "loss_chunks", "a positive integer (1: the plain loss)")
     _require(training.max_norm >= 0, config, "training", "max_norm", ">= 0 (0 disables clipping)")
     _require(optimizer.lr > 0, config, "optimizer", "lr", "a positive learning rate")

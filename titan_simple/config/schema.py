@@ -141,6 +141,19 @@ class LRScheduler:
 
 
 @dataclass
+class MixtureSource:
+    """One ``[[training.mixture]]`` entry: a source of a weighted mixture (data/mixture.py)."""
+
+    name: str = option("", "The source's name in the logs, metrics.jsonl and TensorBoard (distinct, no spaces).")
+    dataset: str = option(
+        "auto", "As [training] dataset: built-in 'shakespeare' / 'shakespeare_paragraphs', or local files read "
+        "as 'text', 'json', 'parquet' or 'auto' (the format from the extensions).")
+    dataset_path: str | None = option(None, "As [training] dataset_path: a file, folder or glob.")
+    weight: float = option(
+        1.0, "The source's share of the training tokens, relative to the other entries' (0.5, 0.3, 0.2 or 5, 3, 2).")
+
+
+@dataclass
 class Training:
     local_batch_size: int = option(8, "Sequences per data-parallel rank per micro-step.")
     global_batch_size: int = option(
@@ -159,6 +172,12 @@ class Training:
         None, "Local file, folder or glob for the dataset (needed unless the dataset is built in). With the "
         "built-in 'shakespeare', a path that is not a folder of its texts is read as your own files, the format "
         "taken from the extensions."
+    )
+    mixture: list[MixtureSource] = option(
+        [], "A weighted mixture of sources instead of dataset / dataset_path: [[training.mixture]] tables, each a "
+        "name, dataset, dataset_path and weight (a share of tokens). The blend is deterministic: after any step "
+        "each source has given its share of the tokens to within one sequence, and every layout reads the same "
+        "samples (data/mixture.py)."
     )
     shuffle: bool = option(
         True, "Visit the documents in a new seeded order every epoch; false = the order of the files and of the "

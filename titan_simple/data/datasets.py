@@ -4,6 +4,7 @@
       -> token store                                     (token_store.py: tokenized once, memory-mapped)
       -> sample index                                    (sample_index.py: per-epoch seeded document order,
                                                            cut into windows of seq_len + 1)
+      [-> mixture index]                                 (mixture.py: several sources, a deterministic blend)
       -> GlobalSamples -> StatefulDataLoader             (this rank's rows of each global batch)
 
 The training order depends on the corpus, the seed and seq_len only (not on the layout or the global batch);
@@ -21,7 +22,7 @@ import importlib.util
 import logging
 import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titan_simple.data.mixture import MixtureIndex, MixtureSource, exact_shares
 from titan_simple.data.sample_index import SampleIndex
 from titan_simple.data.token_store import StoreSource, TokenStore, open_or_build
 from titan_simple.data.tokenizer import Tokenizer
@@ -215,6 +217,24 @@ def open_store(*, dataset: str, dataset_path: str | None, split: str, tokenizer:
     return open_or_build(source, tokenizer, cache or data_cache_folder(None), builds=builds, num_proc=num_proc), where
 
 
+def mixture_index(mixture: Sequence[Any], *, tokenizer: Tokenizer, seq_len: int, split: str,
+                  shuffle_seed: int | None, cache: Path | None) -> MixtureIndex:
+    """The sources of ``[[training.mixture]]`` opened (each its own token store, built once) and blended."""
+    shares = exact_shares([entry.weight for entry in mixture])
+    sources = []
+    for entry, share in zip(mixture, shares, strict=True):
+        try:
+            store, where = open_store(dataset=entry.dataset, dataset_path=entry.dataset_path, split=split,
+                                      tokenizer=tokenizer, cache=cache)
+        except ConfigError as error:
+            raise ConfigError(f"[[training.mixture]] '{entry.name}': {error}") from None
+        sources.append(MixtureSource(entry.name, share, SampleIndex(store, seq_len, shuffle_seed,
+                                                                    f"[[training.mixture]] '{entry.name}' ({where})")))
+    index = MixtureIndex(sources)
+    logger.info("data: %s", index.describe())
+    return index
+
+
 # ------------------------------------------------------------------------------------------- samples
 
 
@@ -272,6 +292,7 @@ def build_dataloader(
     global_rows: int | None = None,
     shuffle_seed: int | None = None,
     cache: Path | None = None,
+    mixture: Sequence[Any] = (),
 ) -> StatefulDataLoader:
     """A loader of ``(inputs, labels)`` int64 batches of shape ``[local_batch_size, seq_len]`` for one rank.
 
@@ -282,11 +303,16 @@ def build_dataloader(
     The corpus is read from its token store in ``cache`` (built on first use). ``global_rows``: sequences per
     global batch (default ``local_batch_size x dp``); this rank reads rows ``owned_rows(global_rows, dp_rank,
     dp)`` of each; ``shuffle_seed`` shuffles the documents every epoch (None: store order). The position is
-    ``loader.dataset.consumed`` (``GlobalSamples``).
+    ``loader.dataset.consumed`` (``GlobalSamples``). ``mixture``: ``[training] mixture`` entries (name, dataset,
+    dataset_path, weight) to read instead of ``dataset`` (``data/mixture.py``).
     """
-    store, where = open_store(dataset=dataset, dataset_path=dataset_path, split=split, tokenizer=tokenizer,
+    if mixture:
+        index = mixture_index(mixture, tokenizer=tokenizer, seq_len=seq_len, split=split, shuffle_seed=shuffle_seed,
                               cache=cache)
+    else:
+        store, where = open_store(dataset=dataset, dataset_path=dataset_path, split=split, tokenizer=tokenizer,
+                                  cache=cache)
+        index = SampleIndex(store, seq_len, shuffle_seed, where)
     rows = global_rows if global_rows is not None else local_batch_size * dp_world_size
-    index = SampleIndex(store, seq_len, shuffle_seed, where)
     samples = GlobalSamples(index, rows, owned_rows(rows, dp_rank, dp_world_size), infinite=infinite)
     return StatefulDataLoader(samples, batch_size=local_batch_size, num_workers=0, drop_last=True)

@@ -43,6 +43,8 @@ TFLOPS = "tflops"
 MFU = "mfu(%)"
 DATA_LOADING_SECONDS = "time_metrics/data_loading(s)"
 DATA_LOADING_PERCENT = "time_metrics/data_loading(%)"
+# A mixture's sources (data/mixture.py): data_sources/<name>/tokens and data_sources/<name>/epochs.
+DATA_SOURCES = "data_sources/"
 END_TO_END_SECONDS = "time_metrics/end_to_end(s)"
 CUDA_MAX_ACTIVE_GIB = "memory/max_active(GiB)"
 CUDA_MAX_ACTIVE_PERCENT = "memory/max_active(%)"
@@ -292,6 +294,14 @@ def global_avg_and_max(loss: torch.Tensor, group: dist.ProcessGroup | None = Non
 # ------------------------------------------------------------------------------------------- logger
 
 
+def _short_count(n: float) -> str:
+    """12,345 -> 12.3K; 4,200,000 -> 4.20M (a source's tokens in the console line)."""
+    for limit, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if n >= limit:
+            return f"{n / limit:.3g}{suffix}"
+    return f"{n:.0f}"
+
+
 def _format_console_line(
     step: int, metrics: dict[str, float], total_steps: int | None, eta: float | None, mfu_note: str = ""
 ) -> str:
@@ -326,6 +336,12 @@ def _format_console_line(
         parts.append(f"perplexity {m[VALIDATION_PERPLEXITY]:.2f}")
     if DATA_LOADING_PERCENT in m:
         parts.append(f"data {m[DATA_LOADING_PERCENT]:.1f}%")
+    sources = [key[len(DATA_SOURCES):-len("/tokens")] for key in m
+               if key.startswith(DATA_SOURCES) and key.endswith("/tokens")]
+    if sources:
+        parts.append("sources " + " ".join(
+            f"{name} {_short_count(m[f'{DATA_SOURCES}{name}/tokens'])}/{m.get(f'{DATA_SOURCES}{name}/epochs', 0):.2f}ep"
+            for name in sources))
     if eta is not None and math.isfinite(eta):
         parts.append(f"eta {datetime.timedelta(seconds=round(eta))}")
     return " | ".join(parts)

@@ -18,6 +18,7 @@ from titan_simple.core.device_peaks import peak_flops_per_second
 from titan_simple.core.plan import RunPlan, resolve_plan
 from titan_simple.core.step import StepResult
 from titan_simple.data import Tokenizer, build_dataloader
+from titan_simple.data.mixture import MixtureIndex
 from titan_simple.errors import NonFiniteTraining
 from titan_simple.models.from_config import check_vocabulary
 from titan_simple.trainer.checkpoint import CheckpointManager, TrainProgress
@@ -31,6 +32,7 @@ from titan_simple.trainer.distributed import (
 from titan_simple.trainer.features import build_loop_features, log_folder
 from titan_simple.trainer.loop_feature import Progress
 from titan_simple.trainer.metrics import (
+    DATA_SOURCES,
     MemoryMonitor,
     MetricsLogger,
     StepTimer,
@@ -135,6 +137,7 @@ class Trainer:
             dp_rank=data.rank(self.run.dp_rank), dp_world_size=data.ranks,
             # The layout-invariant order: global sample ids (data/sample_index.py).
             global_rows=data.global_rows, shuffle_seed=data.shuffle_seed, cache=data.cache,
+            mixture=training.mixture,
         )
 
     def _build_services(self) -> None:
@@ -181,7 +184,11 @@ class Trainer:
         stages = ("" if pipeline is None else
                   " (this rank's stages: " + ", ".join(str(s.stage_index) for s in pipeline.stages) + ")")
         logger.info("built: %s parameters on %s%s | dataset %s | dump %s", f"{self.run.parts.num_params:,}",
-                    self.device, stages, self.config.training.dataset, self.config.job.dump_folder)
+                    self.device, stages, self._dataset_name(), self.config.job.dump_folder)
+
+    def _dataset_name(self) -> str:
+        mixture = self.config.training.mixture
+        return self.config.training.dataset if not mixture else "mixture of " + ", ".join(m.name for m in mixture)
 
     # ------------------------------------------------------------------------------------------ step
 
@@ -331,10 +338,24 @@ class Trainer:
                 **timer.window_metrics(self.run.parts.flops_per_token, self.peak_flops),
                 **self.memory.read(),
             }
+            metrics.update(self._source_metrics())
             for feature in self.loop_features:
                 metrics.update(feature.metrics())
             self.metrics.log(step, metrics, total_steps=steps, eta_seconds=timer.eta_seconds(steps - step))
             self.memory.reset_peak()
+
+    def _source_metrics(self) -> dict[str, float]:
+        """A mixture's tokens and epochs per source so far (data/mixture.py); says when a source starts again."""
+        samples = self.dataloader.dataset
+        index = getattr(samples, "index", None)
+        if not isinstance(index, MixtureIndex):
+            return {}
+        index.say_new_epochs(samples.consumed)
+        seq_len, consumed, out = self.config.training.seq_len, samples.consumed, {}
+        for source, taken, epochs in zip(index.sources, index.taken(consumed), index.epochs(consumed), strict=True):
+            out[f"{DATA_SOURCES}{source.name}/tokens"] = taken * seq_len
+            out[f"{DATA_SOURCES}{source.name}/epochs"] = epochs
+        return out
 
     def _after_step(self, timer: StepTimer) -> signal.Signals | None:
         """Profile, validate, checkpoint; returns the stop signal of any rank (after saving), else None."""
