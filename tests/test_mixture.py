@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch.distributed.checkpoint as dcp
 
 from tests.harness import (
     ONE_ROW,
@@ -30,6 +31,7 @@ from titan_simple.config import load_job_config
 from titan_simple.data import Tokenizer, build_dataloader
 from titan_simple.data.mixture import MAX_PERIOD, blend_period, exact_shares, period_counts
 from titan_simple.errors import ConfigError
+from titan_simple.trainer.checkpoint import _unpack
 
 TOKENIZER = str(REPO / "assets" / "tokenizer" / "shakespeare_bpe_2k.json")
 SEQ = 16
@@ -213,3 +215,16 @@ def test_the_trainer_reads_the_mixture_alike_on_one_and_two_processes_and_resume
     for output in (output_of(p) for p in (two, one, resumed)):
         assert "mixture of 3 sources by tokens: plays 50.0%" in output
         assert "sources plays " in output and "dataset mixture of plays, digits, marks" in output
+    # The checkpoint keeps the mixture and what each source gave (12 samples at step 3: 6, 3, 3) ...
+    saved = {"dataloader": {"consumed_samples": 0, "seq_len": 0, "mixture": b""}}
+    dcp.load(saved, checkpoint_id=str(tmp_path / "two" / "checkpoint" / "step-3"), no_dist=True)
+    record = _unpack(saved["dataloader"]["mixture"])
+    assert saved["dataloader"]["consumed_samples"] == 12 and record["taken"] == {"plays": 6, "digits": 3, "marks": 3}
+    # ... and a resume that names other shares would not continue: one line, nothing trained
+    other = mixture.replace("weight = 2", "weight = 1")
+    refused = train_py(*job[:-1], other, "--training.local_batch_size", "4", "--job.dump_folder", tmp_path / "other",
+                       "--checkpoint.initial_load_path", tmp_path / "two" / "checkpoint" / "step-3",
+                       "--checkpoint.initial_load_model_only", "false", expect=2)
+    errors = [line for line in output_of(refused).splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "was trained on the mixture plays 1/2, digits 1/4, marks 1/4, this run names the " \
+        "mixture plays 1/3" in errors[0] and "--checkpoint.exclude_from_loading dataloader" in errors[0], errors

@@ -142,3 +142,12 @@ class MixtureIndex:
         rounded = "" if math.lcm(*(s.share.denominator for s in self.sources)) <= MAX_PERIOD else (
             f"; shares rounded to 1/{MAX_PERIOD:,}")
         return f"mixture of {len(self.sources)} sources by tokens: {shares}; period {self.period:,} samples{rounded}"
+
+
+def mixture_record(index: MixtureIndex, consumed: int | None = None) -> dict[str, object]:
+    """What a checkpoint keeps of a mixture: each source's name and share (as a fraction's text), and with
+    ``consumed`` the samples each source gave until then."""
+    record: dict[str, object] = {"shares": [(s.name, str(s.share)) for s in index.sources]}
+    if consumed is not None:
+        record["taken"] = dict(zip((s.name for s in index.sources), index.taken(consumed), strict=True))
+    return record

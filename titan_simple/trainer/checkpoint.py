@@ -15,7 +15,8 @@ The DCP state dict (nested keys are flattened by DCP: ``model.layers.0.attention
     model         the model's own parameter names; sharded DTensors are written shard by shard, no gather
     optimizer     per-parameter state with flattened names, so it reshards like the model (PP included)
     lr_scheduler  the LambdaLR state
-    dataloader    {"consumed_samples", "seq_len"}: the data position, global (data/sample_index.py)
+    dataloader    {"consumed_samples", "seq_len"}: the data position, global (data/sample_index.py); with a
+                  mixture also "mixture": its sources and shares, and the samples each gave (data/mixture.py)
     train_state   step (the trainer's global_step), tokens_seen, and the dp size / world size it was saved with
     rng           {"rank_<r>": RNG states} of every rank
 
@@ -49,6 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titan_simple.core.optim import load_lr_scheduler_position
+from titan_simple.data.mixture import MixtureIndex, mixture_record
 from titan_simple.errors import CheckpointError, ConfigError
 from titan_simple.models.from_config import model_choice
 from titan_simple.models.hf_llama import is_hf_folder
@@ -277,8 +279,11 @@ class CheckpointManager:
         data_position = None
         if "dataloader" in wanted and "dataloader.consumed_samples" in metadata.state_dict_metadata:
             data_state = {"dataloader": {"consumed_samples": 0, "seq_len": 0}}  # small: read on its own
+            if "dataloader.mixture" in metadata.state_dict_metadata:
+                data_state["dataloader"]["mixture"] = b""
             self._dcp_load(data_state, path)
             data_position = data_state["dataloader"]
+            self._check_same_mixture(path, data_position.get("mixture"))
         rng_key = f"rank_{self.rank}"
         same_world = saved["world_size"] == self.world_size
         if "rng" in wanted and same_world and f"rng.{rng_key}" in metadata.state_dict_metadata:
@@ -316,6 +321,22 @@ class CheckpointManager:
         elif "dataloader" in self.config.exclude_from_loading and not model_only:
             logger.warning("checkpoint: dataloader state not loaded (exclude_from_loading): the data starts over "
                            "from the first sample")
+
+    def _check_same_mixture(self, path: Path, saved: bytes | None) -> None:
+        """The blend is a function of the mixture from the first sample on: a resumed run that names other
+        sources or shares would read other samples for the steps already trained, and not continue."""
+        samples = self._samples()
+        index = getattr(samples, "index", None)
+        now = mixture_record(index) if isinstance(index, MixtureIndex) else None
+        before = _unpack(saved) if saved is not None else None
+        if (now and now["shares"]) != (before and before["shares"]):
+            def say(record: dict[str, Any] | None) -> str:
+                return "one dataset" if record is None else "the mixture " + ", ".join(
+                    f"{name} {share}" for name, share in record["shares"])
+            raise CheckpointError(
+                f"checkpoint {path} was trained on {say(before)}, this run names {say(now)}: its data position "
+                "would not continue. Set the same data again, or start a new mix from its weights with "
+                "--checkpoint.exclude_from_loading dataloader.")
 
     def _dcp_load(self, state: dict[str, Any], path: Path) -> None:
         try:
@@ -390,6 +411,8 @@ class CheckpointManager:
             samples = self._samples()
             if samples is not None:  # the same on every rank
                 state["dataloader"] = {"consumed_samples": samples.consumed, "seq_len": self.tokens_per_sample}
+                if isinstance(samples.index, MixtureIndex):
+                    state["dataloader"]["mixture"] = _pack(mixture_record(samples.index, samples.consumed))
             state["rng"] = {f"rank_{self.rank}": _pack(_rng_state())}
         return state
 
