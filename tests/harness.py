@@ -212,8 +212,9 @@ def read_metrics(folder: Path) -> list[dict[str, Any]]:
 
 
 def logged_losses(folder: Path) -> dict[int, float]:
-    """step -> the global average loss, of each step the run in ``folder`` logged."""
-    return {record["step"]: record[AVG_LOSS] for record in read_metrics(folder)}
+    """step -> the global average loss, of each step the run in ``folder`` logged (validation records, which
+    hold no training loss, left out)."""
+    return {record["step"]: record[AVG_LOSS] for record in read_metrics(folder) if AVG_LOSS in record}
 
 
 # ------------------------------------------------------------------------------------------- in this process

@@ -194,9 +194,13 @@ def test_the_trainer_reads_the_mixture_alike_on_one_and_two_processes_and_resume
                f'{{name = "marks", dataset = "json", dataset_path = "{sources["marks"]}", weight = 1}}]')
     job = (*ONE_ROW, "--model.n_layers", "2", "--training.mixed_precision_param", "float32", "--training.steps", "6",
            "--training.global_batch_size", "4", "--training.mixture", mixture)
+    validate = ("--validation.enable", "--validation.freq", "3", "--validation.steps", "2")
+    held_out = ('[{name = "plays", dataset = "shakespeare", weight = 2}, '
+                f'{{name = "digits", dataset = "json", dataset_path = "{sources["digits"]}", weight = 1}}]')
     two = train_py(*job, "--training.local_batch_size", "2", "--job.dump_folder", tmp_path / "two",
-                   "--checkpoint.enable", "--checkpoint.interval", "3", nproc=2)
-    one = train_py(*job, "--training.local_batch_size", "4", "--job.dump_folder", tmp_path / "one")
+                   "--checkpoint.enable", "--checkpoint.interval", "3", *validate, nproc=2)
+    one = train_py(*job, "--training.local_batch_size", "4", "--job.dump_folder", tmp_path / "one", *validate,
+                   "--validation.mixture", held_out)
     resumed = train_py(*job, "--training.local_batch_size", "4", "--job.dump_folder", tmp_path / "resumed",
                        "--checkpoint.initial_load_path", tmp_path / "two" / "checkpoint" / "step-3",
                        "--checkpoint.initial_load_model_only", "false")
@@ -206,8 +210,20 @@ def test_the_trainer_reads_the_mixture_alike_on_one_and_two_processes_and_resume
         assert abs(losses["one"][step] / loss - 1) <= 1e-5, (step, losses)
         if step > 3:
             assert abs(losses["resumed"][step] / loss - 1) <= 1e-5, (step, losses)
-    tokens = {name: {key: value for key, value in read_metrics(tmp_path / name)[-1].items()
-                     if key.startswith("data_sources/")} for name in ("two", "one", "resumed")}
+    # Held-out loss per source: the built-in split's equals the 2-process run's plain validation (the same model
+    # and held-out batches), and the mixture's is the sources' weighted 2 : 1.
+    for step in (3, 6):
+        plain = next(r for r in read_metrics(tmp_path / "two") if r["step"] == step and "validation_metrics/loss" in r)
+        mixed = next(r for r in read_metrics(tmp_path / "one") if r["step"] == step and "validation_metrics/loss" in r)
+        assert abs(mixed["validation_metrics/plays/loss"] / plain["validation_metrics/loss"] - 1) <= 1e-5, step
+        expected = (2 * mixed["validation_metrics/plays/loss"] + mixed["validation_metrics/digits/loss"]) / 3
+        assert abs(mixed["validation_metrics/loss"] - expected) <= 1e-12 and "validation_metrics/digits/perplexity" \
+            in mixed and "validation_metrics/plays/loss" not in plain
+    assert "by source plays " in output_of(one)
+    last = {name: [r for r in read_metrics(tmp_path / name) if "data_sources/plays/tokens" in r][-1]
+            for name in ("two", "one", "resumed")}
+    tokens = {name: {key: value for key, value in record.items() if key.startswith("data_sources/")}
+              for name, record in last.items()}
     assert tokens["two"] == tokens["one"] == tokens["resumed"]
     per_step = 4 * 32  # rows x seq_len
     assert tokens["one"]["data_sources/plays/tokens"] == 6 * per_step / 2  # 2 : 1 : 1, 24 rows

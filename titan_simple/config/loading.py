@@ -268,18 +268,18 @@ def _require(ok: bool, config: JobConfig, section: str, key: str, expected: str)
         raise ConfigError(f"{source}: [{section}] {key} = {value!r} is impossible; expected {expected}.")
 
 
-def _check_mixture(config: JobConfig) -> None:
-    """[[training.mixture]]: named sources, positive weights, and not beside a single dataset."""
-    mixture = config.training.mixture
+def _check_mixture(config: JobConfig, section: str) -> None:
+    """[[training.mixture]] / [[validation.mixture]]: named sources, positive weights, not beside one dataset."""
+    mixture = getattr(config, section).mixture
     if not mixture:
         return
-    where = f"{config.sources['training.mixture']}: [[training.mixture]]"
+    where = f"{config.sources[f'{section}.mixture']}: [[{section}.mixture]]"
     for single in ("dataset", "dataset_path"):
         # A mixture on the command line replaces a config file's single dataset; set in one place, both are a slip.
-        set_in = config.sources.get(f"training.{single}")
-        if set_in is not None and not (config.sources["training.mixture"] == "command line" != set_in):
-            raise ConfigError(f"{set_in}: [training] {single} is set beside [[training.mixture]]; name every source "
-                              "in the mixture and remove it.")
+        set_in = config.sources.get(f"{section}.{single}")
+        if set_in is not None and not (config.sources[f"{section}.mixture"] == "command line" != set_in):
+            raise ConfigError(f"{set_in}: [{section}] {single} is set beside [[{section}.mixture]]; name every "
+                              "source in the mixture and remove it.")
     names = [entry.name for entry in mixture]
     for number, entry in enumerate(mixture, start=1):
         if not entry.name or any(c.isspace() or c in "/=," for c in entry.name):
@@ -306,7 +306,8 @@ def validate(config: JobConfig) -> None:
     _require(training.global_batch_size == -1 or training.global_batch_size > 0, config, "training",
              "global_batch_size", "-1 or a positive integer")
     _require(training.seq_len > 0, config, "training", "seq_len", "a positive integer")
-    _check_mixture(config)
+    _check_mixture(config, "training")
+    _check_mixture(config, "validation")
     _require(training.loss_chunks > 0, config, "training", "loss_chunks", "a positive integer (1: the plain loss)")
     _require(training.max_norm >= 0, config, "training", "max_norm", ">= 0 (0 disables clipping)")
     _require(optimizer.lr > 0, config, "optimizer", "lr", "a positive learning rate")

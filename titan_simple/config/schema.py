@@ -399,6 +399,11 @@ class Validation:
     dataset_path: str | None = option(
         None, "Local file, folder or glob of held-out data (needed unless the dataset is built in)."
     )
+    mixture: list[MixtureSource] = option(
+        [], "Held-out data per source instead of dataset / dataset_path: [[validation.mixture]] tables as "
+        "[[training.mixture]]'s. Each source's loss and perplexity is logged, and the mixture's: the losses "
+        "weighted by the entries' weights."
+    )
     freq: int = option(100, "Validate every this many training steps (and at the last step).")
     steps: int = option(
         10, "Batches per validation; -1 = the whole held-out set (until the first data-parallel rank runs out)."

@@ -45,6 +45,8 @@ DATA_LOADING_SECONDS = "time_metrics/data_loading(s)"
 DATA_LOADING_PERCENT = "time_metrics/data_loading(%)"
 # A mixture's sources (data/mixture.py): data_sources/<name>/tokens and data_sources/<name>/epochs.
 DATA_SOURCES = "data_sources/"
+# ... and their held-out losses (trainer/validation.py): validation_metrics/<name>/loss and /perplexity.
+VALIDATION_SOURCES = "validation_metrics/"
 END_TO_END_SECONDS = "time_metrics/end_to_end(s)"
 CUDA_MAX_ACTIVE_GIB = "memory/max_active(GiB)"
 CUDA_MAX_ACTIVE_PERCENT = "memory/max_active(%)"
@@ -334,6 +336,11 @@ def _format_console_line(
         parts.append(f"validation loss {m[VALIDATION_LOSS]:.4f}")
     if VALIDATION_PERPLEXITY in m:
         parts.append(f"perplexity {m[VALIDATION_PERPLEXITY]:.2f}")
+    held_out = [key[len(VALIDATION_SOURCES):-len("/loss")] for key in m
+                if key.startswith(VALIDATION_SOURCES) and key.endswith("/loss") and key.count("/") == 2]
+    if held_out:
+        parts.append("by source " + " ".join(f"{name} {m[f'{VALIDATION_SOURCES}{name}/loss']:.4f}"
+                                             for name in held_out))
     if DATA_LOADING_PERCENT in m:
         parts.append(f"data {m[DATA_LOADING_PERCENT]:.1f}%")
     sources = [key[len(DATA_SOURCES):-len("/tokens")] for key in m
