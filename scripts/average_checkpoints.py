@@ -8,7 +8,8 @@
 output (default ``<checkpoint folder>/step-<newest>-average<K>``) is a model-only step folder: load it with
 ``--checkpoint.initial_load_path``, ``scripts/generate.py`` or export it with ``scripts/export_hf.py``. The inputs
 may come from any layout. One copy of the model in memory, whatever K (``trainer/checkpoint_average.py``); the
-last line reports the process's peak RSS against the size of one copy.
+last line reports the process's peak RSS and the averaging's own memory at its largest (anonymous memory sampled
+after each weight and after the save) against the size of one copy.
 """
 
 from __future__ import annotations
@@ -46,22 +47,25 @@ def main(argv: list[str] | None = None) -> int:
         paths, weights = check_inputs(folders)
         newest = max(paths, key=lambda p: read_marker(p).get("step", -1))
         output = Path(args.output) if args.output else paths[0].parent / f"{newest.name}-average{len(paths)}"
-        start_rss = _rss_mib()
-        average_checkpoints(paths, output)
+        start = _anonymous_mib()
+        samples = [start]
+        average_checkpoints(paths, output, probe=lambda: samples.append(_anonymous_mib()))
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     one_copy = sum(shape.numel() for shape in weights.values()) * 4 / 2**20
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(f"averaged {len(paths)} checkpoints into {output}; peak RSS {peak:.1f} MiB, {peak - start_rss:.1f} MiB above "
-          f"the start of averaging, one fp32 copy of the model {one_copy:.1f} MiB")
+    print(f"averaged {len(paths)} checkpoints into {output}; peak RSS {peak:.1f} MiB; the averaging's own memory "
+          f"{max(samples) - start:.1f} MiB at its largest, one fp32 copy of the model {one_copy:.1f} MiB")
     return 0
 
 
-def _rss_mib() -> float:
-    """This process's resident memory now (Linux /proc), in MiB."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
+def _anonymous_mib() -> float:
+    """This process's anonymous resident memory now (RssAnon: what it allocated, not the pages of the libraries
+    it maps, which the page cache's state inflates), in MiB; Linux."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("RssAnon:"))
+    return int(line.split()[1]) / 1024
 
 
 if __name__ == "__main__":

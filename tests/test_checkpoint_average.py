@@ -91,16 +91,16 @@ def test_inputs_of_another_run_or_model_are_refused_in_one_line(saves, tmp_path)
 
 @pytest.mark.slow
 def test_the_script_averages_the_last_k_in_one_copy_of_the_model(saves):
-    """``--last 3``, the default output name; the memory the averaging adds stays within 2x one fp32 copy of the
-    model plus a fixed allowance for the allocator and DCP's reads (the debug model is small: ~9 MiB)."""
+    """``--last 3``, the default output name; the memory the averaging allocates (its anonymous memory, sampled
+    after each weight and after the save) stays within 2x one fp32 copy of the model (the debug model: 9.9 MiB)."""
     done = run_python("scripts/average_checkpoints.py", "--checkpoint_folder", saves, "--last", "3")
     line = done.stdout.strip().splitlines()[-1]
-    match = re.search(r"into (\S+); peak RSS ([\d.]+) MiB, ([\d.]+) MiB above the start of averaging, one fp32 copy "
-                      r"of the model ([\d.]+) MiB", line)
+    match = re.search(r"into (\S+); peak RSS ([\d.]+) MiB; the averaging's own memory ([\d.]+) MiB at its largest, one "
+                      r"fp32 copy of the model ([\d.]+) MiB", line)
     assert match, line
     assert match.group(1).endswith("step-6-average3")
     added, one_copy = float(match.group(3)), float(match.group(4))
-    assert added <= 2 * one_copy + 16, line
+    assert one_copy <= added <= 2 * one_copy, line
     refused = run_python("scripts/average_checkpoints.py", "--checkpoint_folder", saves, "--last", "9", expect=2)
     assert refused.stderr.strip().startswith("error: ") and "fewer than --last 9" in refused.stderr
     shutil.rmtree(saves / "step-6-average3")

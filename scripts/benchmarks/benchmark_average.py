@@ -3,9 +3,11 @@ debug model and of ``debugmodel_large``, its peak RSS against one fp32 copy of t
 
     .venv/bin/python scripts/benchmarks/benchmark_average.py [--doc]
 
-The saves are written here (random weights, seeds 0, 1, 2, as a run's step folders with their complete.json);
-the averaging runs as its own process, as a user runs it, and reports its peak RSS and how much it rose above the
-process's RSS when averaging began (imports done). ``--doc`` writes the table into docs/benchmarks.md.
+The saves are written here (random weights, seeds 1, 2, 3, as a run's step folders with their complete.json);
+the averaging runs as its own process, as a user runs it, and reports its peak RSS and its own memory at its
+largest (anonymous memory sampled after each weight and after the save, above what it held when averaging
+began: the process's RSS also counts the pages of the libraries it maps, as many as the page cache holds).
+``--doc`` writes the table into docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import harness
 DOC = harness.DOCS / "benchmarks.md"
 MARKERS = ("<!-- average table -->", "<!-- /average table -->")
 FLAVORS = ("debugmodel", "debugmodel_large")
-LINE = re.compile(r"peak RSS ([\d.]+) MiB, ([\d.]+) MiB above the start of averaging, one fp32 copy of the model "
-                  r"([\d.]+) MiB")
+LINE = re.compile(r"peak RSS ([\d.]+) MiB; the averaging's own memory ([\d.]+) MiB at its largest, one fp32 copy "
+                  r"of the model ([\d.]+) MiB")
 
 
 def write_saves(folder: Path, flavor: str) -> None:
@@ -60,8 +62,8 @@ def measure(flavor: str) -> dict[str, float]:
 
 
 def table(results: dict[str, dict[str, float]]) -> str:
-    rows = ["| model | one fp32 copy (MiB) | peak RSS (MiB) | added while averaging (MiB) | added / one copy | "
-            "seconds (with start-up) |", "|---|---:|---:|---:|---:|---:|"]
+    rows = ["| model | one fp32 copy (MiB) | peak RSS of the process (MiB) | the averaging's own memory (MiB) | "
+            "own / one copy | seconds (with start-up) |", "|---|---:|---:|---:|---:|---:|"]
     for flavor, r in results.items():
         rows.append(f"| {flavor} | {r['one_copy']:.1f} | {r['peak']:.1f} | {r['added']:.1f} | "
                     f"{r['added'] / r['one_copy']:.2f}x | {r['seconds']:.1f} |")

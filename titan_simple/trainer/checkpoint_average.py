@@ -19,7 +19,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -63,9 +63,11 @@ def check_inputs(folders: Sequence[str | Path]) -> tuple[list[Path], dict[str, t
     return paths, weights
 
 
-def average_checkpoints(folders: Sequence[str | Path], output: str | Path) -> Path:
+def average_checkpoints(folders: Sequence[str | Path], output: str | Path,
+                        probe: Callable[[], None] | None = None) -> Path:
     """Average the model weights of ``folders`` into the new folder ``output``; returns it. Refuses in one line
-    (ConfigError) inputs of several runs or models, and an ``output`` that exists."""
+    (ConfigError) inputs of several runs or models, and an ``output`` that exists. ``probe`` is called after each
+    weight's sum and after the save (the script samples its memory there)."""
     paths, weights = check_inputs(folders)
     output = Path(output)
     if output.exists():
@@ -80,10 +82,15 @@ def average_checkpoints(folders: Sequence[str | Path], output: str | Path) -> Pa
             dcp.load({"model": {name: one}}, checkpoint_id=str(path), no_dist=True)
             total += one
         average[name] = total.div_(len(paths))
+        del one
+        if probe is not None:
+            probe()
     newest = max(paths, key=lambda p: read_marker(p).get("step", -1))
     partial = output.with_name(output.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     dcp.save({"model": average}, checkpoint_id=str(partial), no_dist=True)
+    if probe is not None:
+        probe()
     marker = {**read_marker(newest), "model_only": True, "averaged_from": [str(p) for p in paths],
               "saved_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
     with open(partial / MARKER, "w") as f:
