@@ -35,12 +35,13 @@ BEGIN, END = "<!-- benchmark_data: begin -->", "<!-- benchmark_data: end -->"
 TOKENIZER = harness.REPO / "assets" / "tokenizer" / "shakespeare_bpe_2k.json"
 
 
-def make_corpus(folder: Path, megabytes: int) -> list[Path]:
-    """``megabytes`` of jsonl in 64 MB files (one document per line); reused if already there."""
+def make_corpus(folder: Path, megabytes: int, first_copy: int = 0) -> list[Path]:
+    """``megabytes`` of jsonl in 64 MB files (one document per line), the documents numbered from ``first_copy``
+    (corpora with other numbers share no document); reused if already there."""
     from titan_simple.data.datasets import shakespeare_files
 
     done = folder / "corpus.done"  # not a .json: the folder is read as the dataset
-    if done.is_file() and json.loads(done.read_text())["megabytes"] == megabytes:
+    if done.is_file() and json.loads(done.read_text()) == {"megabytes": megabytes, "first_copy": first_copy}:
         return sorted(folder.glob("*.jsonl"))
     folder.mkdir(parents=True, exist_ok=True)
     for old in folder.glob("*.jsonl"):
@@ -54,7 +55,7 @@ def make_corpus(folder: Path, megabytes: int) -> list[Path]:
                 paragraphs.append(current)
                 current = ""
         passages.extend(paragraphs)
-    target, written, copy, part = megabytes << 20, 0, 0, 0
+    target, written, copy, part = megabytes << 20, 0, first_copy, 0
     out = None
     while written < target:
         for passage in passages:
@@ -70,7 +71,7 @@ def make_corpus(folder: Path, megabytes: int) -> list[Path]:
             if written >= target:
                 break
     out.close()
-    done.write_text(json.dumps({"megabytes": megabytes}))
+    done.write_text(json.dumps({"megabytes": megabytes, "first_copy": first_copy}))
     return sorted(folder.glob("*.jsonl"))
 
 
