@@ -4,8 +4,9 @@
         [--training.dataset_path /data/corpus --training.data_cache /shared/token_store ...]
 
 Takes the same config and overrides as ``train.py``, so the store it builds is the one training looks up (same
-files, tokenizer and ``[training] data_cache``): the training data and, with ``[validation] enable``, the held-out
-data. A store that is already built is reported, not rebuilt.
+files, tokenizer and ``[training] data_cache``): the training data (each source of a ``[[training.mixture]]``) and,
+with ``[validation] enable``, the held-out data (each source of a ``[[validation.mixture]]``). A store that is
+already built is reported, not rebuilt.
 """
 
 from __future__ import annotations
@@ -31,19 +32,31 @@ def main(argv: list[str] | None = None) -> int:
         config = load_job_config(rest)
         tokenizer = Tokenizer(resolve_project_path(config.model.tokenizer_path))
         cache = data_cache_folder(config.training.data_cache)
-        wanted = [("train", config.training.dataset, config.training.dataset_path)]
-        if config.validation.enable:
-            wanted.append(("validation", config.validation.dataset, config.validation.dataset_path))
-        for split, dataset, dataset_path in wanted:
+        for split, label, dataset, dataset_path in _wanted(config):
             started = time.perf_counter()
             store, where = open_store(dataset=dataset, dataset_path=dataset_path, split=split, tokenizer=tokenizer,
                                       cache=cache, num_proc=args.num_proc)
-            print(f"{split}: {where}: {store.num_documents:,} documents, {store.num_tokens:,} tokens in "
+            print(f"{label}: {where}: {store.num_documents:,} documents, {store.num_tokens:,} tokens in "
                   f"{store.folder} ({time.perf_counter() - started:.1f} s)")
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _wanted(config) -> list[tuple[str, str, str, str | None]]:
+    """(split, label, dataset, dataset_path) of every store the run reads: each source of a mixture, else the
+    single dataset; the held-out ones with [validation] enable."""
+    wanted = []
+    for split, section in (("train", config.training), ("validation", config.validation)):
+        if split == "validation" and not config.validation.enable:
+            continue
+        if section.mixture:
+            wanted += [(split, f"{split} '{entry.name}'", entry.dataset, entry.dataset_path)
+                       for entry in section.mixture]
+        else:
+            wanted.append((split, split, section.dataset, section.dataset_path))
+    return wanted
 
 
 if __name__ == "__main__":

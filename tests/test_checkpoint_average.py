@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,6 +87,11 @@ def test_inputs_of_another_run_or_model_are_refused_in_one_line(saves, tmp_path)
         (tmp_path / "taken").mkdir()
         with pytest.raises(ConfigError, match="exists; name a new folder"):
             average_checkpoints(steps, tmp_path / "taken")
+        with pytest.raises(ConfigError, match="a step-N name would be taken for the run's newest save"):
+            average_checkpoints(steps, tmp_path / "step-9")
+        # one run's folders, spelled one relative and one absolute, are one run
+        relative = Path(os.path.relpath(steps[1]))
+        assert average_checkpoints([steps[0], relative], tmp_path / "mixed_spelling").is_dir()
     finally:
         shutil.rmtree(same_folder)
 

@@ -22,16 +22,20 @@ import torch.distributed.checkpoint as dcp
 from tests.harness import (
     ONE_ROW,
     REPO,
+    load_script,
     logged_losses,
     output_of,
     read_metrics,
     train_py,
 )
 from titan_simple.config import load_job_config
+from titan_simple.config.loading import validate
+from titan_simple.config.schema import JobConfig, MixtureSource
 from titan_simple.data import Tokenizer, build_dataloader
 from titan_simple.data.mixture import MAX_PERIOD, blend_period, exact_shares, period_counts
 from titan_simple.errors import ConfigError
 from titan_simple.trainer.checkpoint import _unpack
+from titan_simple.trainer.metrics import _short_count
 
 TOKENIZER = str(REPO / "assets" / "tokenizer" / "shakespeare_bpe_2k.json")
 SEQ = 16
@@ -129,6 +133,34 @@ def test_shares_are_exact_fractions_and_an_impractical_period_is_rounded():
     assert period_counts(exact_shares([1, 1, 1])) == [1, 1, 1]
     counts = period_counts(exact_shares([0.123456789, 0.5]))
     assert sum(counts) == MAX_PERIOD and abs(counts[0] / MAX_PERIOD - 0.123456789 / 0.623456789) < 1 / MAX_PERIOD
+    # rounded, a tiny share still gets a sample a period: a source with a weight is never dropped
+    for weights in ([1, 1e7], [1, 2e6, 2e6]):
+        counts = period_counts(exact_shares(weights))
+        assert sum(counts) == MAX_PERIOD and counts[0] == 1, (weights, counts)
+    assert _short_count(999_600) == "1M" and _short_count(999_499) == "999K" and _short_count(12_345) == "12.3K"
+
+
+def test_prepare_data_builds_every_source_of_a_mixture_and_training_then_builds_none(sources, tmp_path, capsys):
+    entries = (f'{{name = "{n}", dataset = "json", dataset_path = "{sources[n]}"}}' for n in WEIGHTS)
+    mixture = "[" + ", ".join(entries) + "]"
+    prepare = load_script("scripts/prepare_data.py")
+    assert prepare.main(["--config", "llama3_debug.toml", "--training.mixture", mixture,
+                         "--training.data_cache", str(tmp_path)]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"train '{name}':" in printed for name in WEIGHTS), printed
+    built = sorted(p.name for p in tmp_path.iterdir())
+    assert len(built) == 3
+    config = load_job_config(["--config", "llama3_debug.toml", "--training.mixture", mixture])
+    build_dataloader(dataset="unused", dataset_path=None, tokenizer=Tokenizer(TOKENIZER), seq_len=SEQ,
+                     local_batch_size=2, dp_rank=0, dp_world_size=1, cache=tmp_path, mixture=config.training.mixture)
+    assert sorted(p.name for p in tmp_path.iterdir()) == built  # opened, not built again
+
+
+def test_a_mixture_set_in_code_is_checked_like_one_from_a_file():
+    config = JobConfig()
+    config.training.mixture = [MixtureSource(name="a b", dataset_path="x.txt")]
+    with pytest.raises(ConfigError, match="name 'a b' must be a word"):
+        validate(config)
 
 
 def test_every_layout_reads_the_same_global_samples_and_resumes_at_a_position(sources, cache):

@@ -273,11 +273,12 @@ def _check_mixture(config: JobConfig, section: str) -> None:
     mixture = getattr(config, section).mixture
     if not mixture:
         return
-    where = f"{config.sources[f'{section}.mixture']}: [[{section}.mixture]]"
+    mixture_source = config.sources.get(f"{section}.mixture", "default value")
+    where = f"{mixture_source}: [[{section}.mixture]]"
     for single in ("dataset", "dataset_path"):
         # A mixture on the command line replaces a config file's single dataset; set in one place, both are a slip.
         set_in = config.sources.get(f"{section}.{single}")
-        if set_in is not None and not (config.sources[f"{section}.mixture"] == "command line" != set_in):
+        if set_in is not None and not (mixture_source == "command line" != set_in):
             raise ConfigError(f"{set_in}: [{section}] {single} is set beside [[{section}.mixture]]; name every "
                               "source in the mixture and remove it.")
     names = [entry.name for entry in mixture]

@@ -13,7 +13,7 @@ seeded ``SampleIndex`` (its own epochs, reshuffled each epoch), so a small sourc
 read in part.
 
 Shares whose common denominator exceeds ``MAX_PERIOD`` (weights like 0.123456789) are rounded to
-``1 / MAX_PERIOD`` (largest remainders), and the plan says so.
+``1 / MAX_PERIOD`` (largest remainders, every source at least one sample a period), and the log says so.
 """
 
 from __future__ import annotations
@@ -52,6 +52,10 @@ def period_counts(shares: Sequence[Fraction]) -> list[int]:
     by_remainder = sorted(range(len(shares)), key=lambda k: (-(ideal[k] - counts[k]), k))
     for k in by_remainder[:MAX_PERIOD - sum(counts)]:
         counts[k] += 1
+    for k in range(len(counts)):  # a source with a weight is read, however small its share
+        if counts[k] == 0:
+            counts[k] = 1
+            counts[counts.index(max(counts))] -= 1
     return counts
 
 

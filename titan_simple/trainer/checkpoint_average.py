@@ -8,8 +8,10 @@ complete step folder of one run (any layout: DCP reshards on load); the output i
 ``scripts/generate.py`` and ``scripts/export_hf.py`` read it as they read a step folder. Its name is not
 ``step-N``: the run's resume never mistakes it for its newest save.
 
-Streaming: one fp32 running sum per weight, filled one weight and one input at a time (one ``dcp.load`` of one
-key), so the process holds one copy of the model plus one weight, whatever the number of inputs.
+Streaming: one fp32 running sum per weight, filled one group of weights and one input at a time (one ``dcp.load``
+per group and input: DCP reads a checkpoint's metadata again on every call), so the process holds one copy of the
+model plus one group (an eighth of the model, at most 256 MiB, or one weight), whatever the number of inputs. The
+average is written in fp32, whatever the inputs' dtype (``export_hf.py --dtype`` casts an export).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +34,9 @@ from titan_simple.trainer.checkpoint_files import MARKER, read_marker, read_meta
 
 logger = logging.getLogger("titan_simple")
 
+GROUP_BYTES = 256 << 20
+STEP_FOLDER = re.compile(r"^step-\d+$")
+
 
 def _model_weights(path: Path) -> dict[str, torch.Size]:
     """The model's weights a step folder holds: DCP key (``model.<name>``) -> shape."""
@@ -43,7 +49,7 @@ def check_inputs(folders: Sequence[str | Path]) -> tuple[list[Path], dict[str, t
     same checkpoint folder) and one model (the model recorded in complete.json, the weights' names and shapes)."""
     if len(folders) < 2:
         raise ConfigError(f"averaging needs at least two step folders, got {len(folders)}.")
-    paths = [resolve_checkpoint(folder) for folder in folders]
+    paths = [resolve_checkpoint(folder).resolve() for folder in folders]
     if len(set(paths)) < len(paths):
         raise ConfigError("a step folder is named twice; name each checkpoint once.")
     first, first_marker, weights = paths[0], read_marker(paths[0]), _model_weights(paths[0])
@@ -63,6 +69,22 @@ def check_inputs(folders: Sequence[str | Path]) -> tuple[list[Path], dict[str, t
     return paths, weights
 
 
+def _groups(weights: dict[str, torch.Size]) -> list[list[str]]:
+    """The weights in load order, grouped so that each group's fp32 bytes stay under an eighth of the model's (and
+    256 MiB), or are one weight: the buffer one load fills stays small beside the running sums."""
+    sizes = {key: shape.numel() * 4 for key, shape in weights.items()}
+    budget = min(GROUP_BYTES, sum(sizes.values()) // 8)
+    groups: list[list[str]] = [[]]
+    filled = 0
+    for key, size in sizes.items():
+        if groups[-1] and filled + size > budget:
+            groups.append([])
+            filled = 0
+        groups[-1].append(key)
+        filled += size
+    return groups
+
+
 def average_checkpoints(folders: Sequence[str | Path], output: str | Path,
                         probe: Callable[[], None] | None = None) -> Path:
     """Average the model weights of ``folders`` into the new folder ``output``; returns it. Refuses in one line
@@ -72,17 +94,22 @@ def average_checkpoints(folders: Sequence[str | Path], output: str | Path,
     output = Path(output)
     if output.exists():
         raise ConfigError(f"{output} exists; name a new folder for the average.")
+    if STEP_FOLDER.match(output.name):
+        raise ConfigError(f"{output}: a step-N name would be taken for the run's newest save on resume; name the "
+                          "average otherwise (the default is step-N-averageK).")
     started = time.perf_counter()
     average: dict[str, torch.Tensor] = {}
-    for key, shape in weights.items():
-        name = key[len("model."):]
-        total = torch.zeros(shape, dtype=torch.float32)
-        one = torch.empty(shape, dtype=torch.float32)
+    for group in _groups(weights):
+        # one dcp.load per input and group of weights: DCP reads the checkpoint's metadata once per call
+        totals = {key[len("model."):]: torch.zeros(weights[key], dtype=torch.float32) for key in group}
+        loaded = {name: torch.empty_like(total) for name, total in totals.items()}
         for path in paths:
-            dcp.load({"model": {name: one}}, checkpoint_id=str(path), no_dist=True)
-            total += one
-        average[name] = total.div_(len(paths))
-        del one
+            dcp.load({"model": loaded}, checkpoint_id=str(path), no_dist=True)
+            for name, total in totals.items():
+                total += loaded[name]
+        del loaded
+        for name, total in totals.items():
+            average[name] = total.div_(len(paths))
         if probe is not None:
             probe()
     newest = max(paths, key=lambda p: read_marker(p).get("step", -1))

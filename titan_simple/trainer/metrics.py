@@ -297,10 +297,11 @@ def global_avg_and_max(loss: torch.Tensor, group: dist.ProcessGroup | None = Non
 
 
 def _short_count(n: float) -> str:
-    """12,345 -> 12.3K; 4,200,000 -> 4.20M (a source's tokens in the console line)."""
+    """12,345 -> 12.3K; 4,200,000 -> 4.2M; 999,600 -> 1M (a source's tokens in the console line)."""
     for limit, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "K")):
-        if n >= limit:
-            return f"{n / limit:.3g}{suffix}"
+        rounded = float(f"{n / limit:.3g}")  # 3 significant digits; 999,600 rounds to 1M, not 1000K
+        if rounded >= 1:
+            return f"{rounded:g}{suffix}"
     return f"{n:.0f}"
 
 
