@@ -52,7 +52,7 @@ def measure(flavor: str) -> dict[str, float]:
         write_saves(folder, flavor)
         start = time.perf_counter()
         job = harness.launch("scripts/average_checkpoints.py", "--checkpoint_folder", folder, "--last", "3")
-        job.check()
+        job.check(f"averaging three saves of {flavor}")
         seconds = time.perf_counter() - start
     match = LINE.search(job.stdout)
     if match is None:
