@@ -74,7 +74,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--doc", action="store_true", help="write the table into docs/benchmarks.md")
     args = parser.parse_args()
-    sys.path.insert(0, str(harness.REPO))
     results = {flavor: measure(flavor) for flavor in FLAVORS}
     text = table(results)
     print(text)

@@ -60,7 +60,6 @@ def main() -> int:
     parser.add_argument("--doc", action="store_true", help="write the table into docs/benchmarks.md")
     parser.add_argument("--worker-blend", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    sys.path.insert(0, str(harness.REPO))
     if args.worker_blend:
         print(json.dumps(blend_once(json.loads(args.worker_blend[0]), args.worker_blend[1])))
         return 0

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from titan_simple.data.sample_index import SampleIndex
+from titan_simple.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
 
@@ -155,3 +156,20 @@ def mixture_record(index: MixtureIndex, consumed: int | None = None) -> dict[str
     if consumed is not None:
         record["taken"] = dict(zip((s.name for s in index.sources), index.taken(consumed), strict=True))
     return record
+
+
+def check_same_mixture(path: object, saved: dict[str, object] | None, index: object) -> None:
+    """A checkpoint at ``path`` whose data record is ``saved`` (None: one dataset) resumed by a run reading
+    ``index``: the blend is a function of the mixture from sample 0, so a run that names other sources or shares
+    would read other samples for the steps already trained, and not continue. Raises the one-line error."""
+    now = mixture_record(index) if isinstance(index, MixtureIndex) else None
+    if (now and now["shares"]) == (saved and saved["shares"]):
+        return
+
+    def say(record: dict[str, object] | None) -> str:
+        return "one dataset" if record is None else "the mixture " + ", ".join(
+            f"{name} {share}" for name, share in record["shares"])
+
+    raise CheckpointError(f"checkpoint {path} was trained on {say(saved)}, this run names {say(now)}: its data "
+                          "position would not continue. Set the same data again, or start a new mix from its "
+                          "weights with --checkpoint.exclude_from_loading dataloader.")

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titan_simple.core.optim import load_lr_scheduler_position
-from titan_simple.data.mixture import MixtureIndex, mixture_record
+from titan_simple.data.mixture import MixtureIndex, check_same_mixture, mixture_record
 from titan_simple.errors import CheckpointError, ConfigError
 from titan_simple.models.from_config import model_choice
 from titan_simple.models.hf_llama import is_hf_folder
@@ -276,14 +276,7 @@ class CheckpointManager:
                 state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIMIZER_OPTIONS)
         if "lr_scheduler" in wanted:
             state["lr_scheduler"] = b""
-        data_position = None
-        if "dataloader" in wanted and "dataloader.consumed_samples" in metadata.state_dict_metadata:
-            data_state = {"dataloader": {"consumed_samples": 0, "seq_len": 0}}  # small: read on its own
-            if "dataloader.mixture" in metadata.state_dict_metadata:
-                data_state["dataloader"]["mixture"] = b""
-            self._dcp_load(data_state, path)
-            data_position = data_state["dataloader"]
-            self._check_same_mixture(path, data_position.get("mixture"))
+        data_position = self._read_data_position(path, metadata) if "dataloader" in wanted else None
         rng_key = f"rank_{self.rank}"
         same_world = saved["world_size"] == self.world_size
         if "rng" in wanted and same_world and f"rng.{rng_key}" in metadata.state_dict_metadata:
@@ -322,21 +315,19 @@ class CheckpointManager:
             logger.warning("checkpoint: dataloader state not loaded (exclude_from_loading): the data starts over "
                            "from the first sample")
 
-    def _check_same_mixture(self, path: Path, saved: bytes | None) -> None:
-        """The blend is a function of the mixture from the first sample on: a resumed run that names other
-        sources or shares would read other samples for the steps already trained, and not continue."""
-        samples = self._samples()
-        index = getattr(samples, "index", None)
-        now = mixture_record(index) if isinstance(index, MixtureIndex) else None
-        before = _unpack(saved) if saved is not None else None
-        if (now and now["shares"]) != (before and before["shares"]):
-            def say(record: dict[str, Any] | None) -> str:
-                return "one dataset" if record is None else "the mixture " + ", ".join(
-                    f"{name} {share}" for name, share in record["shares"])
-            raise CheckpointError(
-                f"checkpoint {path} was trained on {say(before)}, this run names {say(now)}: its data position "
-                "would not continue. Set the same data again, or start a new mix from its weights with "
-                "--checkpoint.exclude_from_loading dataloader.")
+    def _read_data_position(self, path: Path, metadata: Any) -> dict[str, Any] | None:
+        """The saved data position (small: read on its own), None in a checkpoint saved before it existed; a
+        mixture's record is checked against this run's (``data/mixture.check_same_mixture``)."""
+        if "dataloader.consumed_samples" not in metadata.state_dict_metadata:
+            return None
+        data_state = {"dataloader": {"consumed_samples": 0, "seq_len": 0}}
+        if "dataloader.mixture" in metadata.state_dict_metadata:
+            data_state["dataloader"]["mixture"] = b""
+        self._dcp_load(data_state, path)
+        saved = data_state["dataloader"].get("mixture")
+        check_same_mixture(path, _unpack(saved) if saved is not None else None,
+                           getattr(self._samples(), "index", None))
+        return data_state["dataloader"]
 
     def _dcp_load(self, state: dict[str, Any], path: Path) -> None:
         try:
