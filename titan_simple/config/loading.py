@@ -26,6 +26,7 @@ except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli
 
 from titan_simple.config.schema import CONFIG_DIR, JobConfig, sections
+from titan_simple.config.stage_checks import check_stages
 from titan_simple.errors import ConfigError
 
 
@@ -56,6 +57,8 @@ def _type_name(tp: Any) -> str:
         return " or ".join(_type_name(a) for a in typing.get_args(tp)).replace("NoneType", "none")
     if typing.get_origin(tp) is list:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if typing.get_origin(tp) is dict:
+        return f"table of {' to '.join(_type_name(a) for a in typing.get_args(tp))}"
     return getattr(tp, "__name__", str(tp)).replace("NoneType", "none")
 
 
@@ -77,6 +80,11 @@ def _coerce(value: Any, tp: Any) -> Any:
         if not isinstance(value, list):
             raise TypeError
         return [_coerce(v, typing.get_args(tp)[0]) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise TypeError
+        key_type, value_type = typing.get_args(tp)
+        return {_coerce(k, key_type): _coerce(v, value_type) for k, v in value.items()}
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -309,6 +317,7 @@ def validate(config: JobConfig) -> None:
     _require(training.seq_len > 0, config, "training", "seq_len", "a positive integer")
     _check_mixture(config, "training")
     _check_mixture(config, "validation")
+    check_stages(config)
     _require(training.loss_chunks > 0, config, "training", "loss_chunks", "a positive integer (1: the plain loss)")
     _require(training.max_norm >= 0, config, "training", "max_norm", ">= 0 (0 disables clipping)")
     _require(optimizer.lr > 0, config, "optimizer", "lr", "a positive learning rate")

@@ -16,8 +16,8 @@ ASSETS_DIR = Path(__file__).resolve().parents[2] / "assets"
 def option(default: Any, help: str, choices: tuple[str, ...] | None = None) -> Any:
     """A config field with its documentation (and, for strings, the allowed values)."""
     metadata = {"help": help, "choices": choices}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=metadata)
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
     return field(default=default, metadata=metadata)
 
 
@@ -154,6 +154,27 @@ class MixtureSource:
 
 
 @dataclass
+class TrainingStage:
+    """One ``[[training.stages]]`` entry: from a step (or a number of tokens) on, what changes (core/stages.py)."""
+
+    name: str = option("", "The stage's name in the plan's table and the logs (default: stage N).")
+    start_step: int = option(-1, "The stage starts after this many steps (its first step is start_step + 1).")
+    start_tokens: int = option(
+        -1, "Or: the stage starts at the first step boundary where this many training tokens have been consumed.")
+    global_batch_size: int = option(
+        -1, "Sequences per optimizer step from this stage on (-1: the previous stage's); the layout and the local "
+        "batch stay, the accumulation steps follow, so it must be a multiple of local_batch_size x data-parallel "
+        "degree.")
+    seq_len: int = option(-1, "Tokens per sequence from this stage on (-1: the previous stage's).")
+    mixture_weights: dict[str, float] = option(
+        {}, "The mixture's weights from this stage on, by source name ({web = 0.3, code = 0.7}; a source not named "
+        "keeps its weight, 0 leaves it out); {} keeps the previous stage's.")
+    lr_decay: bool = option(
+        False, "The learning rate's decay starts at this stage and ends at [training] steps (WSD's decay, Llama "
+        "3's annealing); [lr_scheduler] decay_ratio must then be none.")
+
+
+@dataclass
 class Training:
     local_batch_size: int = option(8, "Sequences per data-parallel rank per micro-step.")
     global_batch_size: int = option(
@@ -178,6 +199,11 @@ class Training:
         "name, dataset, dataset_path and weight (a share of tokens). The blend is deterministic: after any step "
         "each source has given its share of the tokens to within one sequence, and every layout reads the same "
         "samples (data/mixture.py)."
+    )
+    stages: list[TrainingStage] = option(
+        [], "Stages of the run: [[training.stages]] tables, each starting at a step or a number of tokens, that "
+        "change the global batch (a ramp), seq_len, the mixture's weights, or start the learning rate's decay. "
+        "The plan prints them as a table; the schedule and the data position count tokens (core/stages.py)."
     )
     shuffle: bool = option(
         True, "Visit the documents in a new seeded order every epoch; false = the order of the files and of the "

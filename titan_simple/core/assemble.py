@@ -88,7 +88,7 @@ def build_run(plan: RunPlan, device: torch.device, *, mesh: DeviceMesh | None = 
         _start_compile_once(mesh, device)
     parts = build_model_parts(plan, mesh, device, materialize=materialize)
     optimizer = optimizer_from_config(plan.config, parts.as_module(), compiled=plan.compile.enabled)
-    lr_scheduler = lr_scheduler_from_config(plan.config, optimizer) if lr_schedule else None
+    lr_scheduler = lr_scheduler_from_config(plan.config, optimizer, plan.stages) if lr_schedule else None
     installed: list[StepFeature] = []
     if plan.parallel.float8_all_gather:
         installed.append(Float8WeightRefresh(parts.modules))

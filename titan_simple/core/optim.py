@@ -25,6 +25,7 @@ from titan_simple.errors import ConfigError
 
 if TYPE_CHECKING:
     from titan_simple.config import JobConfig
+    from titan_simple.core.stages import StagePlan
 
 OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam}
 IMPLEMENTATIONS = ("foreach", "for-loop", "fused")
@@ -130,7 +131,10 @@ class WarmupStableDecay:
     min_lr_factor: float = 0.0
 
     def __call__(self, last_epoch: int) -> float:
-        step = last_epoch + 1
+        return self.at(last_epoch + 1)
+
+    def at(self, step: float) -> float:
+        """The multiplier of the ``step``-th step (a float under stages: ``StagedWarmupStableDecay``)."""
         if step <= self.warmup_steps:
             return step / (self.warmup_steps + 1)
         if self.decay_type == "constant":
@@ -150,6 +154,38 @@ class WarmupStableDecay:
         return self.min_lr_factor + (1.0 - self.min_lr_factor) * remaining
 
 
+@dataclass
+class StagedWarmupStableDecay(WarmupStableDecay):
+    """``WarmupStableDecay`` on the tokens' clock, for a run whose stages change the batch or seq_len: step ``s``
+    is placed at ``x = tokens after s steps / tokens of a first-stage step`` (``core/stages.py``), and the warmup,
+    decay start and end are the ``x`` of their steps. While no stage changed the tokens per step ``x = s`` exactly,
+    so the values are ``WarmupStableDecay``'s. ``stage_starts``: (start step, start tokens, tokens per step) of
+    each stage (plain tuples: ``LambdaLR.state_dict`` saves them)."""
+
+    stage_starts: tuple[tuple[int, int, int], ...] = ()
+
+    def __call__(self, last_epoch: int) -> float:
+        return self.at(self.clock(last_epoch + 1))
+
+    def clock(self, steps: float) -> float:
+        start_step, start_tokens, per_step = [row for row in self.stage_starts if row[0] < steps or row[0] == 0][-1]
+        return (start_tokens + (steps - start_step) * per_step) / self.stage_starts[0][2]
+
+
+def staged_schedule(stages: StagePlan, schedule: WarmupStableDecay) -> StagedWarmupStableDecay:
+    """``schedule`` (warmup, decay, total in steps) carried onto the tokens' clock of ``stages``; a stage with
+    ``lr_decay`` starts the decay."""
+    rows = tuple((stage.start_step, stage.start_tokens, stage.tokens_per_step) for stage in stages.stages)
+    clock = StagedWarmupStableDecay(stage_starts=rows, **vars(schedule)).clock
+    total = clock(schedule.total_steps)
+    decay_start = stages.decay_start_step
+    decay_start = clock(decay_start) if decay_start is not None else clock(schedule.total_steps - schedule.decay_steps)
+    decay_start = min(decay_start, total)  # a decay stage after this run's last step: planned for a later part
+    return StagedWarmupStableDecay(
+        warmup_steps=clock(schedule.warmup_steps), decay_steps=total - decay_start, total_steps=total,
+        decay_type=schedule.decay_type, min_lr_factor=schedule.min_lr_factor, stage_starts=rows)
+
+
 def decay_steps_for(steps: int, warmup_steps: int, decay_ratio: float | None) -> int:
     """Length of the decay phase: ``round(decay_ratio * steps)`` (Python rounding, half to even), or every
     step after warmup when ``decay_ratio`` is None."""
@@ -164,6 +200,7 @@ def build_lr_scheduler(
     decay_ratio: float | None,
     decay_type: str = "linear",
     min_lr_factor: float = 0.0,
+    stages: StagePlan | None = None,
 ) -> LambdaLR:
     """A ``LambdaLR`` driven by :class:`WarmupStableDecay` (see there for the exact formula).
 
@@ -198,15 +235,18 @@ def build_lr_scheduler(
         warmup_steps=warmup_steps, decay_steps=decay_steps, total_steps=steps,
         decay_type=decay_type, min_lr_factor=min_lr_factor,
     )
-    return LambdaLR(optimizer, schedule)
+    return LambdaLR(optimizer, schedule if stages is None else staged_schedule(stages, schedule))
 
 
-def lr_scheduler_from_config(config: JobConfig, optimizer: torch.optim.Optimizer) -> LambdaLR:
-    """``build_lr_scheduler`` with the ``[lr_scheduler]`` section's settings over ``[training] steps``."""
-    schedule = config.lr_scheduler
-    return build_lr_scheduler(optimizer, steps=config.training.steps, warmup_steps=schedule.warmup_steps,
-                              decay_ratio=schedule.decay_ratio, decay_type=schedule.decay_type,
-                              min_lr_factor=schedule.min_lr_factor)
+def lr_scheduler_from_config(config: JobConfig, optimizer: torch.optim.Optimizer,
+                             stages: StagePlan | None = None) -> LambdaLR:
+    """``build_lr_scheduler`` with the ``[lr_scheduler]`` section's settings over ``[training] steps``; with
+    ``stages``, on their tokens' clock (``staged_schedule``)."""
+    settings = config.lr_scheduler
+    decay_at_stage = stages is not None and stages.decay_start_step is not None  # decay_ratio is none then
+    return build_lr_scheduler(optimizer, steps=config.training.steps, warmup_steps=settings.warmup_steps,
+                              decay_ratio=0.0 if decay_at_stage else settings.decay_ratio,
+                              decay_type=settings.decay_type, min_lr_factor=settings.min_lr_factor, stages=stages)
 
 
 def load_lr_scheduler_position(lr_scheduler: LambdaLR, optimizer: torch.optim.Optimizer, saved: dict[str, Any]

@@ -8,8 +8,8 @@
 
 Every decision derived from the config and the mesh degrees has one function below, and only ``resolve_plan``
 calls them (tests may call them directly): the mesh degrees, the pipeline plan, gradient accumulation, the gather
-mode, the parameter / reduce dtypes and autocast, reshard after forward, loss parallel, the compile mode, the
-attention and the data order. Every check that needs no communication runs while resolving. Nothing below the plan
+mode, the dtypes and autocast, reshard after forward, loss parallel, the compile mode, attention, the data order
+and the stages. Every check that needs no communication runs while resolving. Nothing below the plan
 reads ``[parallelism]``, ``[compile]``, ``[activation_checkpoint]``, the precision or attention keys to decide
 something again; plain settings (learning rate, paths, intervals) are read from ``plan.config`` where they are used.
 """
@@ -30,6 +30,7 @@ from titan_simple.core.batching import DataOrder, accumulation_steps
 from titan_simple.core.compile_fingerprint import compile_cache_folder, compile_fingerprint
 from titan_simple.core.loss import LossPlan
 from titan_simple.core.muon import MuonPlan, plan_optimizer
+from titan_simple.core.stages import StagePlan, longest_seq_len, plan_stages
 from titan_simple.data.datasets import data_cache_folder
 from titan_simple.data.tokenizer import Tokenizer
 from titan_simple.errors import ConfigError
@@ -77,6 +78,7 @@ class RunPlan:
     float8: Float8Plan | None = None  # [model] converters = ["float8"]
     attention: AttentionPlan = AttentionPlan()  # the kernel and the mask (causal or block-causal)
     muon: MuonPlan | None = None  # [optimizer] name = "Muon": which parameters take it
+    stages: StagePlan | None = None  # [[training.stages]]: each step's batch, seq_len and mixture (core/stages.py)
     reasons: dict[str, str] = dataclasses.field(default_factory=dict)  # why "auto" / "default" chose
 
     @property
@@ -100,7 +102,7 @@ class RunPlan:
             self, parallel=dataclasses.replace(self.parallel, compile=dataclasses.replace(self.compile, mode="off")))
 
     def describe(self) -> list[str]:
-        """The plan in at most 8 lines: what will run, and why where ``auto`` / ``default`` chose."""
+        """The plan in at most 8 lines (and the stages' table): what will run, and why where ``auto`` chose."""
         config, dims, parallel = self.config, self.dims, self.parallel
         args, training = self.model_args, config.training
 
@@ -149,8 +151,9 @@ class RunPlan:
                          f"{self.validation.seq_len} per dp rank")
         if self.muon is not None:
             lines.append(f"  {self.muon.describe()}")
+        if self.stages is not None:  # the table, a line per stage
+            lines += self.stages.describe([source.name for source in training.mixture])
         return lines
-
 
     def _describe_compile(self, why: str) -> str:
         compile_plan = self.compile
@@ -174,13 +177,12 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPlan:
-    """Decide everything the config leaves to the layout, for ``world_size`` processes on ``device_type``
-    (``cpu`` or ``cuda``: it decides ``auto`` dtypes). Raises the one-line ConfigError of any check that needs no
-    communication."""
+    """Decide everything the config leaves to the layout, for ``world_size`` processes on ``device_type`` (``cpu``
+    or ``cuda``: it decides ``auto`` dtypes). Raises the one-line ConfigError of any no-communication check."""
     reasons: dict[str, str] = {}
     dims = ParallelDims.from_config(config, world_size)
     attention = plan_attention(config, dims, device_type)
-    model_args = model_args_for(config)
+    model_args = model_args_for(config, max_seq_len=longest_seq_len(config))
     validate_parallelism(dims, model_args, config)
     check_initial_weights(config, model_args)
     check_profiling(config, world_size, device_type)
@@ -220,6 +222,7 @@ def resolve_plan(config: JobConfig, world_size: int, device_type: str) -> RunPla
         accumulation_steps=accumulation, precision=precision, fsdp_gather=gather, parallel=parallel, loss=loss,
         data=data, validation=plan_validation(config, dims, pipeline), float8=float8, attention=attention,
         muon=plan_optimizer(config, model_args), reasons=reasons,
+        stages=plan_stages(config, dims, model_args, data.ranks),
     )
 
 

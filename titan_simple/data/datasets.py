@@ -32,8 +32,10 @@ import torch
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from titan_simple.core.stages import StagePlan
 from titan_simple.data.mixture import MixtureIndex, MixtureSource, exact_shares
 from titan_simple.data.sample_index import SampleIndex
+from titan_simple.data.staged import StagedIndex
 from titan_simple.data.token_store import StoreSource, TokenStore, open_or_build
 from titan_simple.data.tokenizer import Tokenizer
 from titan_simple.errors import ConfigError
@@ -217,20 +219,43 @@ def open_store(*, dataset: str, dataset_path: str | None, split: str, tokenizer:
     return open_or_build(source, tokenizer, cache or data_cache_folder(None), builds=builds, num_proc=num_proc), where
 
 
-def mixture_index(mixture: Sequence[Any], *, tokenizer: Tokenizer, seq_len: int, split: str,
-                  shuffle_seed: int | None, cache: Path | None) -> MixtureIndex:
-    """The sources of ``[[training.mixture]]`` opened (each its own token store, built once) and blended."""
-    shares = exact_shares([entry.weight for entry in mixture])
-    sources = []
-    for entry, share in zip(mixture, shares, strict=True):
+def open_mixture_stores(mixture: Sequence[Any], *, tokenizer: Tokenizer, split: str, cache: Path | None
+                        ) -> list[tuple[TokenStore, str]]:
+    """``(store, description)`` of each ``[[training.mixture]]`` source (each its own token store, built once)."""
+    stores = []
+    for entry in mixture:
         try:
             store, where = open_store(dataset=entry.dataset, dataset_path=entry.dataset_path, split=split,
                                       tokenizer=tokenizer, cache=cache)
         except ConfigError as error:
             raise ConfigError(f"[[training.mixture]] '{entry.name}': {error}") from None
-        sources.append(MixtureSource(entry.name, share, SampleIndex(store, seq_len, shuffle_seed,
-                                                                    f"[[training.mixture]] '{entry.name}' ({where})")))
-    index = MixtureIndex(sources)
+        stores.append((store, f"[[training.mixture]] '{entry.name}' ({where})"))
+    return stores
+
+
+def mixture_index(mixture: Sequence[Any], *, tokenizer: Tokenizer, seq_len: int, split: str,
+                  shuffle_seed: int | None, cache: Path | None) -> MixtureIndex:
+    """The sources of ``[[training.mixture]]`` opened and blended."""
+    stores = open_mixture_stores(mixture, tokenizer=tokenizer, split=split, cache=cache)
+    index = MixtureIndex([MixtureSource(entry.name, share, SampleIndex(store, seq_len, shuffle_seed, where))
+                          for entry, share, (store, where)
+                          in zip(mixture, exact_shares([entry.weight for entry in mixture]), stores, strict=True)])
+    logger.info("data: %s", index.describe())
+    return index
+
+
+def staged_index(stages: StagePlan, mixture: Sequence[Any], *, dataset: str, dataset_path: str | None,
+                 tokenizer: Tokenizer, shuffle_seed: int | None, cache: Path | None) -> StagedIndex:
+    """The training samples of a run with stages (``data/staged.py``): each stage's blend at its seq_len."""
+    if mixture:
+        stores = open_mixture_stores(mixture, tokenizer=tokenizer, split="train", cache=cache)
+        names = [entry.name for entry in mixture]
+    else:
+        stores = [open_store(dataset=dataset, dataset_path=dataset_path, split="train", tokenizer=tokenizer,
+                             cache=cache)]
+        names = [dataset]
+    index = StagedIndex(stages, names, lambda seq_len: [SampleIndex(store, seq_len, shuffle_seed, where)
+                                                        for store, where in stores], mixed=bool(mixture))
     logger.info("data: %s", index.describe())
     return index
 
@@ -247,14 +272,20 @@ class GlobalSamples(torch.utils.data.IterableDataset):
     batch). Without ``infinite`` the samples end with the first epoch (validation: one pass).
     """
 
-    def __init__(self, index: SampleIndex, rows: int, owned: range, infinite: bool = True) -> None:
+    def __init__(self, index: SampleIndex, rows: int, owned: range, infinite: bool = True,
+                 dp: tuple[int, int] | None = None) -> None:
+        """``dp``: (this reader's block, blocks per global batch) when the index changes the global batch
+        (``rows_at``: a stage's batch ramp); ``rows`` and ``owned`` are then the first step's."""
         super().__init__()
-        self.index, self.rows, self.owned, self.infinite = index, rows, owned, infinite
+        self.index, self.rows, self.owned, self.infinite, self.dp = index, rows, owned, infinite, dp
         self.consumed = 0
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         batch_start = self.consumed
         while True:
+            if self.dp is not None:  # this batch's rows (stages: the global batch changes at a step)
+                self.rows = self.index.rows_at(batch_start)
+                self.owned = owned_rows(self.rows, *self.dp)
             for i, row in enumerate(self.owned):
                 sample_id = batch_start + row
                 if not self.infinite and sample_id >= self.index.samples_per_epoch:
@@ -293,6 +324,7 @@ def build_dataloader(
     shuffle_seed: int | None = None,
     cache: Path | None = None,
     mixture: Sequence[Any] = (),
+    stages: StagePlan | None = None,
 ) -> StatefulDataLoader:
     """A loader of ``(inputs, labels)`` int64 batches of shape ``[local_batch_size, seq_len]`` for one rank.
 
@@ -304,8 +336,16 @@ def build_dataloader(
     global batch (default ``local_batch_size x dp``); this rank reads rows ``owned_rows(global_rows, dp_rank,
     dp)`` of each; ``shuffle_seed`` shuffles the documents every epoch (None: store order). The position is
     ``loader.dataset.consumed`` (``GlobalSamples``). ``mixture``: ``[training] mixture`` entries (name, dataset,
-    dataset_path, weight) to read instead of ``dataset`` (``data/mixture.py``).
+    dataset_path, weight) to read instead of ``dataset`` (``data/mixture.py``). ``stages``: the run's stage table
+    (``core/stages.py``): each stage's global batch, seq_len and weights (``data/staged.py``).
     """
+    if stages is not None:
+        index = staged_index(stages, mixture, dataset=dataset, dataset_path=dataset_path, tokenizer=tokenizer,
+                             shuffle_seed=shuffle_seed, cache=cache)
+        first = stages.stages[0].global_rows
+        samples = GlobalSamples(index, first, owned_rows(first, dp_rank, dp_world_size), infinite=infinite,
+                                dp=(dp_rank, dp_world_size))
+        return StatefulDataLoader(samples, batch_size=local_batch_size, num_workers=0, drop_last=True)
     if mixture:
         index = mixture_index(mixture, tokenizer=tokenizer, seq_len=seq_len, split=split, shuffle_seed=shuffle_seed,
                               cache=cache)

@@ -54,7 +54,7 @@ def period_counts(shares: Sequence[Fraction]) -> list[int]:
     for k in by_remainder[:MAX_PERIOD - sum(counts)]:
         counts[k] += 1
     for k in range(len(counts)):  # a source with a weight is read, however small its share
-        if counts[k] == 0:
+        if counts[k] == 0 and shares[k] > 0:
             counts[k] = 1
             counts[counts.index(max(counts))] -= 1
     return counts
@@ -64,6 +64,9 @@ def blend_period(counts: Sequence[int]) -> np.ndarray:
     """``[sum(counts)]`` source ids: the order of one period, by Tijdeman's rule. At place ``n`` (1-based) the
     candidates are the sources owed at least ``delta = 1 / (2K - 2)`` of a sample (``share x n - taken``); the one
     whose deadline ``(taken + 1 - delta) / share`` comes first takes it (ties: the first source)."""
+    read = [k for k, c in enumerate(counts) if c]  # a stage may leave a source out (weight 0)
+    if len(read) < len(counts):
+        return np.asarray(read, dtype=np.int64)[blend_period([counts[k] for k in read])]
     period, sources = sum(counts), len(counts)
     order = np.zeros(period, dtype=np.int64)
     if sources == 1:
@@ -97,8 +100,10 @@ class MixtureIndex:
     ``datasets.GlobalSamples``, resume and fault tolerance work unchanged: the position is still the number of
     global samples consumed)."""
 
-    def __init__(self, sources: Sequence[MixtureSource]) -> None:
+    def __init__(self, sources: Sequence[MixtureSource], offsets: Sequence[int] | None = None) -> None:
         self.sources = list(sources)
+        # where each source starts reading its own samples (a stage continues where the one before stopped)
+        self.offsets = list(offsets) if offsets is not None else [0] * len(self.sources)
         self.per_period = period_counts([s.share for s in self.sources])
         self.order = blend_period(self.per_period)
         self.period = len(self.order)
@@ -108,8 +113,8 @@ class MixtureIndex:
             where = np.flatnonzero(self.order == k)
             self.within[where] = np.arange(len(where))
         # validation reads one pass: the smallest source's epoch in mixture samples
-        self.samples_per_epoch = min(s.index.samples_per_epoch * self.period // max(c, 1)
-                                     for s, c in zip(self.sources, self.per_period, strict=True))
+        self.samples_per_epoch = min(s.index.samples_per_epoch * self.period // c
+                                     for s, c in zip(self.sources, self.per_period, strict=True) if c)
         self._epochs_said = [0] * len(self.sources)
 
     def locate(self, g: int) -> tuple[int, int]:
@@ -120,7 +125,7 @@ class MixtureIndex:
 
     def sample(self, g: int) -> torch.Tensor:
         k, local = self.locate(g)
-        return self.sources[k].index.sample(local)
+        return self.sources[k].index.sample(self.offsets[k] + local)
 
     def taken(self, consumed: int) -> list[int]:
         """Samples each source gave among the first ``consumed`` global samples."""
@@ -128,13 +133,22 @@ class MixtureIndex:
         head = np.bincount(self.order[:place], minlength=len(self.sources))
         return [period * c + int(h) for c, h in zip(self.per_period, head, strict=True)]
 
+    def positions(self, consumed: int) -> list[int]:
+        """Each source's own sample number after ``consumed`` global samples (its offset + what it gave)."""
+        return [offset + taken for offset, taken in zip(self.offsets, self.taken(consumed), strict=True)]
+
     def epochs(self, consumed: int) -> list[float]:
         """Epochs of each source read after ``consumed`` global samples (1.5: once whole, then half again)."""
-        return [t / s.index.samples_per_epoch for t, s in zip(self.taken(consumed), self.sources, strict=True)]
+        return [p / s.index.samples_per_epoch for p, s in zip(self.positions(consumed), self.sources, strict=True)]
+
+    def progress(self, consumed: int) -> list[tuple[str, int, float]]:
+        """(name, tokens trained on, epochs) of each source after ``consumed`` global samples."""
+        return [(s.name, taken * (s.index.window - 1), epochs) for s, taken, epochs
+                in zip(self.sources, self.taken(consumed), self.epochs(consumed), strict=True)]
 
     def say_new_epochs(self, consumed: int) -> None:
         """Log, once per source and epoch, that a source has started reading itself again."""
-        for k, (taken, source) in enumerate(zip(self.taken(consumed), self.sources, strict=True)):
+        for k, (taken, source) in enumerate(zip(self.positions(consumed), self.sources, strict=True)):
             epoch = taken // source.index.samples_per_epoch
             if epoch > self._epochs_said[k]:
                 self._epochs_said[k] = epoch
@@ -158,11 +172,13 @@ def mixture_record(index: MixtureIndex, consumed: int | None = None) -> dict[str
     return record
 
 
-def check_same_mixture(path: object, saved: dict[str, object] | None, index: object) -> None:
-    """A checkpoint at ``path`` whose data record is ``saved`` (None: one dataset) resumed by a run reading
-    ``index``: the blend is a function of the mixture from sample 0, so a run that names other sources or shares
-    would read other samples for the steps already trained, and not continue. Raises the one-line error."""
-    now = mixture_record(index) if isinstance(index, MixtureIndex) else None
+def check_same_mixture(path: object, saved: dict[str, object] | None, now: dict[str, object] | None) -> None:
+    """A checkpoint at ``path`` whose data record is ``saved`` (None or no shares: one dataset) resumed by a run
+    whose record is ``now``: the blend is a function of the mixture from sample 0, so a run that names other sources
+    or shares would read other samples for the steps already trained, and not continue. Raises the one-line
+    error."""
+    saved = saved if saved and saved.get("shares") else None
+    now = now if now and now.get("shares") else None
     if (now and now["shares"]) == (saved and saved["shares"]):
         return
 

@@ -16,7 +16,8 @@ The DCP state dict (nested keys are flattened by DCP: ``model.layers.0.attention
     optimizer     per-parameter state with flattened names, so it reshards like the model (PP included)
     lr_scheduler  the LambdaLR state
     dataloader    {"consumed_samples", "seq_len"}: the data position, global (data/sample_index.py); with a
-                  mixture also "mixture": its sources and shares, and the samples each gave (data/mixture.py)
+                  mixture or stages also "mixture": the sources and shares, the samples each gave, and the
+                  settings of the stages that have started (data/staged.py)
     train_state   step (the trainer's global_step), tokens_seen, and the dp size / world size it was saved with
     rng           {"rank_<r>": RNG states} of every rank
 
@@ -50,7 +51,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from titan_simple.core.optim import load_lr_scheduler_position
-from titan_simple.data.mixture import MixtureIndex, check_same_mixture, mixture_record
+from titan_simple.data.staged import check_data_record, data_record
 from titan_simple.errors import CheckpointError, ConfigError
 from titan_simple.models.from_config import model_choice
 from titan_simple.models.hf_llama import is_hf_folder
@@ -276,7 +277,7 @@ class CheckpointManager:
                 state["optimizer"] = get_optimizer_state_dict(self.model, self.optimizer, options=_OPTIMIZER_OPTIONS)
         if "lr_scheduler" in wanted:
             state["lr_scheduler"] = b""
-        data_position = self._read_data_position(path, metadata) if "dataloader" in wanted else None
+        data_position = self._read_data_position(path, metadata, saved["step"]) if "dataloader" in wanted else None
         rng_key = f"rank_{self.rank}"
         same_world = saved["world_size"] == self.world_size
         if "rng" in wanted and same_world and f"rng.{rng_key}" in metadata.state_dict_metadata:
@@ -315,9 +316,9 @@ class CheckpointManager:
             logger.warning("checkpoint: dataloader state not loaded (exclude_from_loading): the data starts over "
                            "from the first sample")
 
-    def _read_data_position(self, path: Path, metadata: Any) -> dict[str, Any] | None:
+    def _read_data_position(self, path: Path, metadata: Any, step: int) -> dict[str, Any] | None:
         """The saved data position (small: read on its own), None in a checkpoint saved before it existed; a
-        mixture's record is checked against this run's (``data/mixture.check_same_mixture``)."""
+        mixture's or the stages' record is checked against this run's (``data/staged.check_data_record``)."""
         if "dataloader.consumed_samples" not in metadata.state_dict_metadata:
             return None
         data_state = {"dataloader": {"consumed_samples": 0, "seq_len": 0}}
@@ -325,8 +326,8 @@ class CheckpointManager:
             data_state["dataloader"]["mixture"] = b""
         self._dcp_load(data_state, path)
         saved = data_state["dataloader"].get("mixture")
-        check_same_mixture(path, _unpack(saved) if saved is not None else None,
-                           getattr(self._samples(), "index", None))
+        check_data_record(path, _unpack(saved) if saved is not None else None, getattr(self._samples(), "index", None),
+                          data_state["dataloader"]["consumed_samples"], step)
         return data_state["dataloader"]
 
     def _dcp_load(self, state: dict[str, Any], path: Path) -> None:
@@ -402,8 +403,8 @@ class CheckpointManager:
             samples = self._samples()
             if samples is not None:  # the same on every rank
                 state["dataloader"] = {"consumed_samples": samples.consumed, "seq_len": self.tokens_per_sample}
-                if isinstance(samples.index, MixtureIndex):
-                    state["dataloader"]["mixture"] = _pack(mixture_record(samples.index, samples.consumed))
+                if (record := data_record(samples.index, samples.consumed)) is not None:  # mixture, stages
+                    state["dataloader"]["mixture"] = _pack(record)
             state["rng"] = {f"rank_{self.rank}": _pack(_rng_state())}
         return state
 

@@ -19,6 +19,7 @@ from titan_simple.core.plan import RunPlan, resolve_plan
 from titan_simple.core.step import StepResult
 from titan_simple.data import Tokenizer, build_dataloader
 from titan_simple.data.mixture import MixtureIndex
+from titan_simple.data.staged import StagedIndex
 from titan_simple.errors import NonFiniteTraining
 from titan_simple.models.from_config import check_vocabulary
 from titan_simple.trainer.checkpoint import CheckpointManager, TrainProgress
@@ -137,7 +138,7 @@ class Trainer:
             dp_rank=data.rank(self.run.dp_rank), dp_world_size=data.ranks,
             # The layout-invariant order: global sample ids (data/sample_index.py).
             global_rows=data.global_rows, shuffle_seed=data.shuffle_seed, cache=data.cache,
-            mixture=training.mixture,
+            mixture=training.mixture, stages=self.plan.stages,
         )
 
     def _build_services(self) -> None:
@@ -278,6 +279,7 @@ class Trainer:
         steps = self.config.training.steps
         previous_handlers = {s: signal.signal(s, self._request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
         data_iter, timer, first_step = iter(self.dataloader), StepTimer(), self.global_step + 1
+        self._first_step = first_step
         self.memory.reset_peak()
         self.profiler.start(first_step=self.global_step)
         self.run_status.write("running", self.global_step)
@@ -290,7 +292,7 @@ class Trainer:
                 consumed_before = self.dataloader.dataset.consumed
                 self.global_step += 1
                 with timer.data_loading():
-                    batches = [next(data_iter) for _ in range(self.plan.accumulation_steps)]
+                    batches = [next(data_iter) for _ in range(self._accumulation_steps())]
                 with self.profiler.dump_on_oom(self.global_step):
                     result = self.train_step(batches)
                 if not result.committed:  # a step feature voted against this step: retry it, on the same rows
@@ -344,17 +346,32 @@ class Trainer:
             self.metrics.log(step, metrics, total_steps=steps, eta_seconds=timer.eta_seconds(steps - step))
             self.memory.reset_peak()
 
+    def _accumulation_steps(self) -> int:
+        """Microbatches of the step ``self.global_step``: its stage's (core/stages.py), saying when one starts."""
+        stages = self.plan.stages
+        if stages is None:
+            return self.plan.accumulation_steps
+        stage, step = stages.at_step(self.global_step), self.global_step
+        if step == stage.start_step + 1 and stage.number > 0 or step == self._first_step:
+            began = "starts" if step == stage.start_step + 1 else f"continues (from step {stage.start_step + 1})"
+            logger.info("stage %d '%s' %s at step %d, %s tokens: global batch %d (%d accumulation), seq_len %d%s",
+                        stage.number, stage.name, began, step, f"{stages.tokens_after(step - 1):,.0f}",
+                        stage.global_rows, stage.accumulation_steps, stage.seq_len,
+                        "; the learning rate decays from here" if stage.lr_decay else "")
+        return stage.accumulation_steps
+
     def _source_metrics(self) -> dict[str, float]:
-        """A mixture's tokens and epochs per source so far (data/mixture.py); says when a source starts again."""
+        """A mixture's (or a staged run's) tokens and epochs per source so far (data/mixture.py, data/staged.py);
+        says when a source starts again."""
         samples = self.dataloader.dataset
         index = getattr(samples, "index", None)
-        if not isinstance(index, MixtureIndex):
+        if not isinstance(index, MixtureIndex | StagedIndex):
             return {}
         index.say_new_epochs(samples.consumed)
-        seq_len, consumed, out = self.config.training.seq_len, samples.consumed, {}
-        for source, taken, epochs in zip(index.sources, index.taken(consumed), index.epochs(consumed), strict=True):
-            out[f"{DATA_SOURCES}{source.name}/tokens"] = taken * seq_len
-            out[f"{DATA_SOURCES}{source.name}/epochs"] = epochs
+        out = {}
+        for name, tokens, epochs in index.progress(samples.consumed):
+            out[f"{DATA_SOURCES}{name}/tokens"] = tokens
+            out[f"{DATA_SOURCES}{name}/epochs"] = epochs
         return out
 
     def _after_step(self, timer: StepTimer) -> signal.Signals | None:
