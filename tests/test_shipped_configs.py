@@ -40,6 +40,8 @@ NO_ASYNC_TP = ("--parallelism.enable_async_tensor_parallel=false",)
 # config file -> (processes, rows per data-parallel rank, the scaled degrees)
 SCALED: dict[str, tuple[int, int, tuple[str, ...]]] = {
     "llama3_debug.toml": (2, 4, ()),
+    "llama3_debug_recipe.toml": (2, 2, ()),  # its mixture and stages: tests/test_stages_training.py trains it whole
+    "llama3_8b_recipe.toml": (2, 2, ()),  # its stage table: tests/test_stages_training.py
     "llama3_8b.toml": (2, 2, ()),
     "llama3_70b.toml": (4, 4, ("--parallelism.tensor_parallel_degree=2",)),
     "llama3_405b.toml": (4, 8, ("--parallelism.tensor_parallel_degree=2", "--parallelism.pipeline_parallel_degree=2",

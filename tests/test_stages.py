@@ -68,7 +68,7 @@ def test_the_table_places_every_stage_in_steps_tokens_and_samples(sources):  # n
     ('[{start_step = 3, mixture_weights = {letters = 0, digits = 0, marks = 0}}]', (), 1,
      "leave no source with a positive weight"),
     ('[{start_step = 3, lr_decay = true}, {start_step = 5, lr_decay = true}]', (), 1, "the decay starts once"),
-    ('[{start_step = 3, lr_decay = true}]', ("--lr_scheduler.decay_ratio", "0.2"), 1, "set decay_ratio = none"),
+    ('[{start_step = 3, lr_decay = true}]', ("--lr_scheduler.decay_ratio", "0.2"), 1, "remove decay_ratio from the file (or --lr_scheduler.decay_ratio none)"),
     ('[{start_step = 3, seq_len = 0}]', (), 1, "seq_len = 0 is impossible"),
     ('[{start_step = 3, sequence_length = 8}]', (), 1, "unknown key 'sequence_length'"),
     ('[{start_step = 3, mixture_weights = 3}]', (), 1, "expected table of str to float"),

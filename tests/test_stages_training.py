@@ -130,3 +130,49 @@ def test_a_run_planned_in_two_parts_equals_the_run_planned_whole_and_a_changed_p
     errors = [line for line in output_of(refused).splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "trained stage 1 with other settings (global_batch_size 8 -> 12)" in errors[0], errors
     assert not (tmp_path / "changed" / "metrics.jsonl").exists()
+
+
+def test_the_shipped_debug_recipe_trains_its_mixture_stages_and_annealing(tmp_path):
+    """configs/llama3_debug_recipe.toml as the README runs it (2 processes): each stage starts where its table says,
+    each stage's tokens per source match its weights to within one sequence per source, the learning rate is at
+    its peak until the annealing stage and then decays towards 0, and the loss falls."""
+    proc = train_py("--config", "llama3_debug_recipe.toml", "--job.dump_folder", tmp_path, nproc=2)
+    output = output_of(proc)
+    for line in ("stage 1 'ramp' starts at step 9, 4,096 tokens: global batch 8 (2 accumulation), seq_len 128",
+                 "stage 2 'long' starts at step 15, 10,240 tokens: global batch 8 (2 accumulation), seq_len 256",
+                 "stage 3 'anneal' starts at step 19, 18,432 tokens"):
+        assert line in output, output[-3000:]
+    records = {r["step"]: r for r in read_metrics(tmp_path) if "data_sources/plays/tokens" in r}
+    ends = {0: (0, 128, (0.7, 0.3)), 8: (128, 128, (0.7, 0.3)), 14: (128, 256, (0.7, 0.3)), 18: (256, 256, (0.3, 0.7)),
+            24: None}
+    steps = sorted(ends)
+    for start, end in zip(steps, steps[1:]):
+        _, seq_len, weights = ends[start]
+        given = [records[end][f"data_sources/{name}/tokens"] - (records[start][f"data_sources/{name}/tokens"]
+                 if start else 0) for name in ("plays", "paragraphs")]
+        for tokens, weight in zip(given, weights, strict=True):
+            assert abs(tokens - weight * sum(given)) <= seq_len, (start, end, given)
+    lrs = {r["step"]: r["lr"] for r in read_metrics(tmp_path) if "lr" in r}
+    peak = lrs[6]
+    assert lrs[18] == peak > lrs[20] > lrs[22] > lrs[24] > 0 and lrs[24] < peak / 10
+    losses = logged_losses(tmp_path)
+    assert losses[24] < losses[1] - 1.5, losses
+
+
+def test_the_8b_recipe_plans_the_llama_3_batches_and_lengths():
+    """configs/llama3_8b_recipe.toml at 128 processes: 1,024 sequences of 4,096 (4M tokens), 1,024 of 8,192 from
+    the first step boundary past 252M tokens, 2,048 from 2.87T, the annealing stage over the final 40M of 15T
+    tokens; the mixture's shares as the paper's; every stage's batch divides (8 then 16 accumulation steps)."""
+    from titan_simple.core.plan import resolve_plan
+
+    config = load_job_config(["--config", "llama3_8b_recipe.toml", "--model.tokenizer_path",
+                              "assets/tokenizer/shakespeare_bpe_2k.json", "--model.flavor", "debugmodel"])
+    stages = resolve_plan(config, 128, "cuda").stages
+    table = [(s.name, s.global_rows, s.seq_len, s.accumulation_steps) for s in stages.stages]
+    assert table == [("start", 1024, 4096, 8), ("8M", 1024, 8192, 8), ("16M", 2048, 8192, 16),
+                     ("anneal", 2048, 8192, 16)]
+    assert stages.stages[1].start_tokens - 252_000_000 < 1024 * 4096 <= stages.stages[1].start_tokens
+    assert 0 <= stages.stages[2].start_tokens - 2_870_000_000_000 < 1024 * 8192
+    end = stages.tokens_after(config.training.steps)
+    assert 0 <= end - 15e12 < 2048 * 8192 and end - stages.stages[3].start_tokens <= 40e6 + 2048 * 8192
+    assert stages.stages[0].weights == (0.5, 0.25, 0.17, 0.08) and stages.decay_start_step == stages.stages[3].start_step

@@ -7,6 +7,7 @@ import os
 from typing import Any
 
 from titan_simple.dry_run.hardware import GIB
+from titan_simple.dry_run.stage_plans import stage_lines
 
 
 def _gib(n: float) -> str:
@@ -91,6 +92,8 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"    {label:<52} {c['count']:>7} {c['count_bucketed']:>8} {_gib(c['bytes']):>14} "
                      f"{c['seconds'] * 1e3:>8.1f}ms")
     lines += _time_lines(r)
+    if "stages" in r:
+        lines += stage_lines(r["stages"])
     return "\n".join(lines)
 
 

@@ -78,6 +78,10 @@ def run_dry_run(config: JobConfig, write: bool = True, spec: DeviceSpec | None =
         report = plan_report(run, mesh, pp_rank, dry_run.rank, spec)
     finally:
         dist.destroy_process_group()
+    if run.stages is not None:  # every stage's step, each in a process of its own
+        from titan_simple.dry_run.stage_plans import price_stages  # noqa: PLC0415
+
+        report["stages"] = price_stages(config, run, report, spec)
     text = format_report(report)
     print(text, flush=True)
     if write:
