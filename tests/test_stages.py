@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.harness import dry_run, output_of
 from tests.test_mixture import SEQ, TOKENIZER, _mixture, _source_of_rows, cache, sources  # noqa: F401 (fixtures)
 from titan_simple.config import load_job_config
 from titan_simple.core.optim import build_lr_scheduler, lr_scheduler_from_config
@@ -186,3 +187,22 @@ def test_stage_loaders_stay_in_step_with_their_global_batch(sources, cache):  # 
     assert np.array_equal(np.concatenate([b[0].numpy() for b in batches[:2]]), one[0][4:8])
     step5 = np.concatenate([b[0].numpy() for b in batches[8:12]])
     assert np.array_equal(step5, one[4][8:16])
+
+
+def test_the_dry_run_prices_every_stage_and_names_the_one_that_fits_worst(tmp_path):
+    """The debug recipe planned for 2 H100s: a row per stage; the ramp doubles the step's time (twice the
+    microbatches, the same activations), seq_len 256 keeps more activations than 128; the worst is named."""
+    proc, report = dry_run(tmp_path, "--config", "llama3_debug_recipe.toml", "--dry_run.world_size", "2",
+                           "--dry_run.device", "h100")
+    assert proc.returncode == 0 and report is not None, output_of(proc)[-3000:]
+    rows = {r["name"]: r for r in report["stages"]["rows"]}
+    assert list(rows) == ["start", "ramp", "long", "anneal"]
+    assert [(r["from_step"], r["global_batch"], r["seq_len"]) for r in rows.values()] == [
+        (1, 4, 128), (9, 8, 128), (15, 8, 256), (19, 8, 256)]
+    assert rows["start"]["device_bytes"] == report["memory_bytes"]["device_total"]  # stage 0 is the report itself
+    assert rows["ramp"]["step_seconds"] == pytest.approx(2 * rows["start"]["step_seconds"], rel=0.1)
+    assert rows["long"]["device_bytes"] > rows["ramp"]["device_bytes"] and rows["anneal"] == {**rows["long"],
+                                                                                              "name": "anneal",
+                                                                                              "from_step": 19}
+    assert report["stages"]["worst"] == "long" and report["stages"]["all_fit"]
+    assert "  the stage that fits worst: long (" in output_of(proc)
