@@ -176,3 +176,17 @@ def test_the_8b_recipe_plans_the_llama_3_batches_and_lengths():
     end = stages.tokens_after(config.training.steps)
     assert 0 <= end - 15e12 < 2048 * 8192 and end - stages.stages[3].start_tokens <= 40e6 + 2048 * 8192
     assert stages.stages[0].weights == (0.5, 0.25, 0.17, 0.08) and stages.decay_start_step == stages.stages[3].start_step
+
+
+def test_a_compiled_run_compiles_again_at_a_seq_len_stage_and_trains_as_eager(tmp_path):
+    """2 processes, compiled, 4 steps: the stage at step 3 doubles seq_len (new shapes: the graphs compile again,
+    under the start-up timeout) and ramps the batch; every loss equals the eager run's to fp32 rounding."""
+    job = (*ONE_ROW, "--model.n_layers", "1", *FP32, "--training.steps", "4", "--lr_scheduler.decay_ratio", "none",
+           "--training.stages", '[{start_step = 2, seq_len = 64, global_batch_size = 4}]')
+    compiled = output_of(train_py(*job, "--compile.enable", "--job.dump_folder", tmp_path / "compiled", nproc=2,
+                                  timeout=1200))  # the suite's kernel folder: CI keeps it from run to run
+    train_py(*job, "--job.dump_folder", tmp_path / "eager", nproc=2)
+    _assert_same(logged_losses(tmp_path / "compiled"), logged_losses(tmp_path / "eager"), range(1, 5), bitwise=False)
+    assert "stage 1 'stage 1' starts at step 3, 128 tokens: global batch 4 (2 accumulation), seq_len 64" in compiled
+    plans = [line for line in compiled.splitlines() if line.startswith("[rank0]") and "comm plan forward" in line]
+    assert len(plans) == 2, plans  # the first shapes' graph and the new seq_len's

@@ -352,6 +352,10 @@ class Trainer:
         if stages is None:
             return self.plan.accumulation_steps
         stage, step = stages.at_step(self.global_step), self.global_step
+        if step == stage.start_step + 1 and stage.number > 0 and self.plan.compile.enabled and \
+                stage.seq_len != stages.at_step(step - 1).seq_len:  # new shapes: it compiles, as the first step did
+            set_timeouts(self.process_groups, self.config.comm.init_timeout_seconds)
+            self._start_up_timeout = True
         if step == stage.start_step + 1 and stage.number > 0 or step == self._first_step:
             began = "starts" if step == stage.start_step + 1 else f"continues (from step {stage.start_step + 1})"
             logger.info("stage %d '%s' %s at step %d, %s tokens: global batch %d (%d accumulation), seq_len %d%s",
