@@ -26,10 +26,12 @@ DECISIONS = (
     "model_args_for", "plan_pipeline", "accumulation_steps", "choose_fsdp_gather", "choose_precision",
     "cpu_has_native_bf16", "choose_compile_mode", "uses_loss_parallel", "choose_reshard_after_forward",
     "plan_validation", "choose_loss_chunks", "choose_async_tensor_parallel", "plan_attention", "plan_optimizer",
+    "plan_stages",
 )
 # Outside the resolver, only generation resolves one decision: the model of the config, built on one process
-# without a layout (a Hugging Face folder's or the flavor's; titan_simple/generate.py).
-ALSO_CALLED_BY = {"model_args_for": {"titan_simple/generate.py"}}
+# without a layout (a Hugging Face folder's or the flavor's; titan_simple/generate.py). The stage table (which the
+# resolver makes with plan_stages) gives each stage its accumulation by the same rule.
+ALSO_CALLED_BY = {"model_args_for": {"titan_simple/generate.py"}, "accumulation_steps": {"titan_simple/core/stages.py"}}
 # Config keys that feed a decision: read only by the config package and the plan.
 DECISION_KEYS = {
     "parallelism": {"fsdp_gather", "fsdp_reshard_after_forward", "fsdp_implementation", "disable_loss_parallel",

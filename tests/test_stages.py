@@ -17,6 +17,7 @@ from titan_simple.config import load_job_config
 from titan_simple.core.optim import build_lr_scheduler, lr_scheduler_from_config
 from titan_simple.core.plan import resolve_plan
 from titan_simple.data import Tokenizer, build_dataloader
+from titan_simple.data.staged import check_data_record
 from titan_simple.errors import CheckpointError, ConfigError
 
 STAGES = ('[{name = "ramp", start_step = 4, global_batch_size = 16}, '
@@ -63,13 +64,15 @@ def test_the_table_places_every_stage_in_steps_tokens_and_samples(sources):  # n
     ('[{start_step = 3, seq_len = 32}]', ("--parallelism.pipeline_parallel_degree", "2"), 2,
      "pipeline parallel infers the shapes its stages send once"),
     ('[{start_step = 3}, {start_step = 3}]', (), 1, "start_step = 3 is not after the previous stage's (3)"),
-    ('[{start_step = 9}, {start_tokens = 100}]', (), 1, "'stage 2' starts at step 10, not after the stage before it (from step 10)"),
+    ('[{start_step = 9}, {start_tokens = 100}]', (), 1,
+     "'stage 2' starts at step 10, not after the stage before it (from step 10)"),
     ('[{start_step = 3, start_tokens = 100}]', (), 1, "set exactly one of start_step or start_tokens"),
     ('[{start_step = 3, mixture_weights = {pages = 1}}]', (), 1, "mixture_weights names 'pages', which is not"),
     ('[{start_step = 3, mixture_weights = {letters = 0, digits = 0, marks = 0}}]', (), 1,
      "leave no source with a positive weight"),
     ('[{start_step = 3, lr_decay = true}, {start_step = 5, lr_decay = true}]', (), 1, "the decay starts once"),
-    ('[{start_step = 3, lr_decay = true}]', ("--lr_scheduler.decay_ratio", "0.2"), 1, "remove decay_ratio from the file (or --lr_scheduler.decay_ratio none)"),
+    ('[{start_step = 3, lr_decay = true}]', ("--lr_scheduler.decay_ratio", "0.2"), 1,
+     "remove decay_ratio from the file (or --lr_scheduler.decay_ratio none)"),
     ('[{start_step = 3, seq_len = 0}]', (), 1, "seq_len = 0 is impossible"),
     ('[{start_step = 3, sequence_length = 8}]', (), 1, "unknown key 'sequence_length'"),
     ('[{start_step = 3, mixture_weights = 3}]', (), 1, "expected table of str to float"),
@@ -173,6 +176,9 @@ def test_a_source_continues_after_its_tokens_when_the_window_changes(sources, ca
     with pytest.raises(CheckpointError, match="trained stage 1 with other settings .global_batch_size 16 -> 24"):
         changed = _config(sources, stages=STAGES.replace("global_batch_size = 16", "global_batch_size = 24"))
         _staged_loader(sources, cache, changed).dataset.index.check_resume("step-9", record, 96 + 16, 9)
+    # the stages dropped: the run would go back to the first stage's batch and seq_len
+    with pytest.raises(CheckpointError, match=r"is in stage 2 \(global batch 16, seq_len 32\), and this config has no"):
+        check_data_record("step-9", {**record, "shares": []}, None, 96 + 16, 9)  # one dataset, staged
     # a later stage added (a run planned in parts) continues; the stages after the position do not matter
     later = _config(sources, stages=STAGES.replace("start_step = 19", "start_step = 25"))
     _staged_loader(sources, cache, later).dataset.index.check_resume("step-9", record, 96 + 16, 9)

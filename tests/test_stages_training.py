@@ -5,6 +5,7 @@ layout; planned in two parts; and a changed past stage refused in one line."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -67,8 +68,9 @@ def test_the_stages_train_alike_on_one_two_and_four_processes_and_on_dp2_tp2(sou
         output = output_of(proc)
         assert "stage 1 'ramp' starts at step 4, 384 tokens: global batch 8" in output, name
         assert "stage 3 'anneal' starts at step 10, 2,688 tokens" in output and "decays from here" in output
-        assert "    long                    7         1,152       8       64             2  plays 1, digits 1, marks 0" \
-            in output
+        table_row = ("    long                    7         1,152       8       64             2  "
+                     "plays 1, digits 1, marks 0")
+        assert table_row in output
     # tokens per source: 2 : 1 : 1 of 4 x 32 for 3 steps, of 8 x 32 for 3, then 1 : 1 : 0 of 8 x 64 for 6
     last = [r for r in read_metrics(reference) if "data_sources/plays/tokens" in r][-1]
     assert last["data_sources/plays/tokens"] == 3 * 64 + 3 * 128 + 6 * 256
@@ -146,7 +148,7 @@ def test_the_shipped_debug_recipe_trains_its_mixture_stages_and_annealing(tmp_pa
     ends = {0: (0, 128, (0.7, 0.3)), 8: (128, 128, (0.7, 0.3)), 14: (128, 256, (0.7, 0.3)), 18: (256, 256, (0.3, 0.7)),
             24: None}
     steps = sorted(ends)
-    for start, end in zip(steps, steps[1:]):
+    for start, end in itertools.pairwise(steps):
         _, seq_len, weights = ends[start]
         given = [records[end][f"data_sources/{name}/tokens"] - (records[start][f"data_sources/{name}/tokens"]
                  if start else 0) for name in ("plays", "paragraphs")]
@@ -175,7 +177,8 @@ def test_the_8b_recipe_plans_the_llama_3_batches_and_lengths():
     assert 0 <= stages.stages[2].start_tokens - 2_870_000_000_000 < 1024 * 8192
     end = stages.tokens_after(config.training.steps)
     assert 0 <= end - 15e12 < 2048 * 8192 and end - stages.stages[3].start_tokens <= 40e6 + 2048 * 8192
-    assert stages.stages[0].weights == (0.5, 0.25, 0.17, 0.08) and stages.decay_start_step == stages.stages[3].start_step
+    assert stages.stages[0].weights == (0.5, 0.25, 0.17, 0.08)
+    assert stages.decay_start_step == stages.stages[3].start_step
 
 
 def test_a_compiled_run_compiles_again_at_a_seq_len_stage_and_trains_as_eager(tmp_path):

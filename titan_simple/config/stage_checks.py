@@ -50,8 +50,8 @@ def check_stages(config: JobConfig) -> None:
                           "one stage.")
     if decaying and config.lr_scheduler.decay_ratio is not None:
         raise ConfigError(f"{where} '{decaying[0]}': lr_decay starts the decay at the stage, and [lr_scheduler] "
-                          f"decay_ratio = {config.lr_scheduler.decay_ratio} sets it too; remove decay_ratio from the file (or "
-                          "--lr_scheduler.decay_ratio none).")
+                          f"decay_ratio = {config.lr_scheduler.decay_ratio} sets it too; remove decay_ratio from the "
+                          "file (or --lr_scheduler.decay_ratio none).")
     if decaying and config.lr_scheduler.decay_type == "constant":
         raise ConfigError(f"{where} '{decaying[0]}': lr_decay needs a decay, and [lr_scheduler] decay_type is "
                           "'constant'; choose linear, sqrt or cosine.")

@@ -4,8 +4,8 @@ Stage 0 is ``[training]`` itself; each ``[[training.stages]]`` entry starts a ne
 boundary where the tokens consumed reach its ``start_tokens``, and changes what it names (the rest carries over).
 Everything is known at plan time, because a step's tokens are its global batch x seq_len: the table maps every step
 to its stage, its tokens and the global samples consumed before it. The data position (samples consumed), the
-learning-rate schedule (``core/optim.py``: tokens, not steps) and the checkpoint's record of the past stages all read
-this table, the same on every layout.
+learning-rate schedule (``core/optim.py``: tokens, not steps) and the checkpoint's record of the past stages
+(``data/staged.py``) all read this table, the same on every layout.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ class StagePlan:
         """The stage of the ``step``-th step (1-based)."""
         return [stage for stage in self.stages if stage.start_step < step][-1] if step > 0 else self.stages[0]
 
-    def tokens_after(self, steps: float) -> float:
-        """Tokens consumed after ``steps`` steps (a fraction of a step counts its share of that step's tokens)."""
-        stage = self.at_step(int(steps) if steps == int(steps) else int(steps) + 1)
+    def tokens_after(self, steps: int) -> int:
+        """Tokens consumed after ``steps`` steps."""
+        stage = self.at_step(steps)
         return stage.start_tokens + (steps - stage.start_step) * stage.tokens_per_step
 
     def samples_after(self, steps: int) -> int:
@@ -158,27 +158,3 @@ def _first_step_with(tokens: int, stage: Stage) -> int:
     """The first step boundary, counted in steps from the run's start, where ``tokens`` have been consumed."""
     remaining = max(tokens - stage.start_tokens, 0)
     return stage.start_step + -(-remaining // stage.tokens_per_step)
-
-
-def check_same_past_stages(path: object, saved: list[dict[str, Any]] | None, plan: StagePlan, consumed: int,
-                           step: int) -> None:
-    """A checkpoint at ``path`` saved after ``step`` steps and ``consumed`` global samples, ``saved`` the records of
-    the stages that had started (None: saved by a run without stages), resumed by a run whose table is ``plan``:
-    the steps already trained must have run with this table's settings, or the data position and the schedule
-    would not continue. Raises the one-line error."""
-    from titan_simple.errors import CheckpointError
-
-    now = [stage.record() for stage in plan.stages if stage.start_samples < consumed or stage.number == 0]
-    fix = f"Set it back, and change what comes next with a stage that starts after step {step}."
-    for number, (was, new) in enumerate(zip(saved or [], now, strict=False)):
-        if was != new:
-            changed = ", ".join(f"{key} {was.get(key)} -> {new[key]}" for key in new if was.get(key) != new[key])
-            raise CheckpointError(f"checkpoint {path} (step {step}) trained stage {number} with other settings "
-                                  f"({changed}): a past stage cannot change on resume. {fix}")
-    if saved is not None and len(saved) != len(now):
-        raise CheckpointError(f"checkpoint {path} (step {step}) had started {len(saved)} stage(s), this config "
-                              f"starts {len(now)} by then: a past stage cannot change on resume. {fix}")
-    if plan.samples_after(step) != consumed:
-        raise CheckpointError(f"checkpoint {path} (step {step}) consumed {consumed:,} samples, this config's stages "
-                              f"read {plan.samples_after(step):,} in {step} steps: the run before trained other "
-                              f"batches. Give [training] and the stages the batches it trained with. {fix}")

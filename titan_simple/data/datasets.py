@@ -32,7 +32,6 @@ import torch
 import torch.distributed as dist
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from titan_simple.core.stages import StagePlan
 from titan_simple.data.mixture import MixtureIndex, MixtureSource, exact_shares
 from titan_simple.data.sample_index import SampleIndex
 from titan_simple.data.staged import StagedIndex
@@ -244,7 +243,7 @@ def mixture_index(mixture: Sequence[Any], *, tokenizer: Tokenizer, seq_len: int,
     return index
 
 
-def staged_index(stages: StagePlan, mixture: Sequence[Any], *, dataset: str, dataset_path: str | None,
+def staged_index(stages: Any, mixture: Sequence[Any], *, dataset: str, dataset_path: str | None,
                  tokenizer: Tokenizer, shuffle_seed: int | None, cache: Path | None) -> StagedIndex:
     """The training samples of a run with stages (``data/staged.py``): each stage's blend at its seq_len."""
     if mixture:
@@ -324,7 +323,7 @@ def build_dataloader(
     shuffle_seed: int | None = None,
     cache: Path | None = None,
     mixture: Sequence[Any] = (),
-    stages: StagePlan | None = None,
+    stages: Any = None,
 ) -> StatefulDataLoader:
     """A loader of ``(inputs, labels)`` int64 batches of shape ``[local_batch_size, seq_len]`` for one rank.
 

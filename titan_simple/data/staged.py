@@ -17,15 +17,16 @@ from typing import Any
 
 import torch
 
-from titan_simple.core.stages import StagePlan, check_same_past_stages
 from titan_simple.data.mixture import MixtureIndex, MixtureSource, check_same_mixture, exact_shares, mixture_record
 from titan_simple.data.sample_index import SampleIndex
+from titan_simple.errors import CheckpointError
 
 
 class StagedIndex:
-    """``sample(g)`` over a stage table; ``rows_at(consumed)``: the global batch of the step that starts there."""
+    """``sample(g)`` over a stage table (``plan``: a ``core/stages.StagePlan``; the data layer does not import the
+    core); ``rows_at(consumed)``: the global batch of the step that starts there."""
 
-    def __init__(self, plan: StagePlan, names: Sequence[str], open_sources: Callable[[int], list[SampleIndex]],
+    def __init__(self, plan: Any, names: Sequence[str], open_sources: Callable[[int], list[SampleIndex]],
                  mixed: bool) -> None:
         """``open_sources(seq_len)``: each source's ``SampleIndex`` of windows of ``seq_len + 1``; ``mixed``: the
         sources are ``[[training.mixture]]``'s (else one dataset, named ``names[0]``)."""
@@ -83,6 +84,10 @@ class StagedIndex:
 
     def describe(self) -> str:
         """The first stage's blend, then each later stage's shares where they change."""
+        if not self.mixed:
+            return (f"{self.sources[0].name} through {len(self.plan.stages)} stages, in windows of "
+                    + ", ".join(str(length) for length in dict.fromkeys(s.seq_len for s in self.plan.stages))
+                    + " tokens (+1)")
         lines, shares = [self.blends[0].describe()], [s.share for s in self.blends[0].sources]
         for stage, blend in zip(self.plan.stages[1:], self.blends[1:], strict=True):
             if [s.share for s in blend.sources] != shares:
@@ -118,3 +123,31 @@ def check_data_record(path: object, saved: dict[str, Any] | None, index: object,
     check_same_mixture(path, saved, data_record(index))
     if isinstance(index, StagedIndex):
         index.check_resume(path, saved, consumed, step)
+    elif saved and len(saved.get("stages", [])) > 1:  # the stages were dropped: the steps would revert to stage 0's
+        stage = saved["stages"][-1]
+        raise CheckpointError(
+            f"checkpoint {path} (step {step}) is in stage {len(saved['stages']) - 1} (global batch "
+            f"{stage['global_batch_size']}, seq_len {stage['seq_len']}), and this config has no [[training.stages]]: "
+            "its steps would go back to the first stage's settings. Give the config its stages again.")
+
+
+def check_same_past_stages(path: object, saved: list[dict[str, Any]] | None, plan: Any, consumed: int,
+                           step: int) -> None:
+    """A checkpoint at ``path`` saved after ``step`` steps and ``consumed`` global samples, ``saved`` the records of
+    the stages that had started (None: saved by a run without stages), resumed by a run whose table is ``plan``:
+    the steps already trained must have run with this table's settings, or the data position and the schedule
+    would not continue. Raises the one-line error."""
+    now = [stage.record() for stage in plan.stages if stage.start_samples < consumed or stage.number == 0]
+    fix = f"Set it back, and change what comes next with a stage that starts after step {step}."
+    for number, (was, new) in enumerate(zip(saved or [], now, strict=False)):
+        if was != new:
+            changed = ", ".join(f"{key} {was.get(key)} -> {new[key]}" for key in new if was.get(key) != new[key])
+            raise CheckpointError(f"checkpoint {path} (step {step}) trained stage {number} with other settings "
+                                  f"({changed}): a past stage cannot change on resume. {fix}")
+    if saved is not None and len(saved) != len(now):
+        raise CheckpointError(f"checkpoint {path} (step {step}) had started {len(saved)} stage(s), this config "
+                              f"starts {len(now)} by then: a past stage cannot change on resume. {fix}")
+    if plan.samples_after(step) != consumed:
+        raise CheckpointError(f"checkpoint {path} (step {step}) consumed {consumed:,} samples, this config's stages "
+                              f"read {plan.samples_after(step):,} in {step} steps: the run before trained other "
+                              f"batches. Give [training] and the stages the batches it trained with. {fix}")
