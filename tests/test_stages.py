@@ -74,6 +74,7 @@ def test_the_table_places_every_stage_in_steps_tokens_and_samples(sources):  # n
     ('[{start_step = 3, lr_decay = true}]', ("--lr_scheduler.decay_ratio", "0.2"), 1,
      "remove decay_ratio from the file (or --lr_scheduler.decay_ratio none)"),
     ('[{start_step = 3, seq_len = 0}]', (), 1, "seq_len = 0 is impossible"),
+    ('[{start_step = 3, lr_decay = true}]', (), 1, "lr_decay starts the decay at step 4, inside the warmup"),
     ('[{start_step = 3, sequence_length = 8}]', (), 1, "unknown key 'sequence_length'"),
     ('[{start_step = 3, mixture_weights = 3}]', (), 1, "expected table of str to float"),
 ])
@@ -178,7 +179,16 @@ def test_a_source_continues_after_its_tokens_when_the_window_changes(sources, ca
         _staged_loader(sources, cache, changed).dataset.index.check_resume("step-9", record, 96 + 16, 9)
     # the stages dropped: the run would go back to the first stage's batch and seq_len
     with pytest.raises(CheckpointError, match=r"is in stage 2 \(global batch 16, seq_len 32\), and this config has no"):
-        check_data_record("step-9", {**record, "shares": []}, None, 96 + 16, 9)  # one dataset, staged
+        check_data_record("step-9", {**record, "shares": []}, None, {"consumed_samples": 96 + 16, "seq_len": 16},
+                          9)  # one dataset, staged
+    index = _staged_loader(sources, cache, _config(sources)).dataset.index
+    # saved by a run without stages whose steps this config says ran in 'ramp': refused
+    with pytest.raises(CheckpointError, match="was trained without stages, and this config's stage 'ramp' starts"):
+        check_data_record("step-6", {"shares": record["shares"]}, index, {"consumed_samples": 48, "seq_len": 16}, 6)
+    # another first seq_len: the windows would not continue
+    with pytest.raises(CheckpointError, match="trained with .training. seq_len 32, this run's first stage has 16"):
+        check_data_record("step-3", record, index, {"consumed_samples": 24, "seq_len": 32}, 3)
+    check_data_record("step-3", {"shares": record["shares"]}, index, {"consumed_samples": 24, "seq_len": 16}, 3)
     # a later stage added (a run planned in parts) continues; the stages after the position do not matter
     later = _config(sources, stages=STAGES.replace("start_step = 19", "start_step = 25"))
     _staged_loader(sources, cache, later).dataset.index.check_resume("step-9", record, 96 + 16, 9)

@@ -132,6 +132,14 @@ def test_a_run_planned_in_two_parts_equals_the_run_planned_whole_and_a_changed_p
     errors = [line for line in output_of(refused).splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "trained stage 1 with other settings (global_batch_size 8 -> 12)" in errors[0], errors
     assert not (tmp_path / "changed" / "metrics.jsonl").exists()
+    # the data position left out of the resume: the stage table says where step 5's data ends, and it continues there
+    excluded = train_py(*_job(sources), "--training.local_batch_size", "4", "--job.dump_folder", tmp_path / "excluded",
+                        "--checkpoint.initial_load_path", reference / "checkpoint" / "step-5",
+                        "--checkpoint.initial_load_model_only", "false", "--checkpoint.exclude_from_loading",
+                        "dataloader")
+    assert "the stages read 28 samples in 5 steps; the data continues from there, not from sample 0" \
+        in output_of(excluded)
+    _assert_same(logged_losses(tmp_path / "excluded"), logged_losses(reference), range(6, STEPS + 1), bitwise=False)
 
 
 def test_the_shipped_debug_recipe_trains_its_mixture_stages_and_annealing(tmp_path):

@@ -101,8 +101,9 @@ def plan_stages(config: JobConfig, dims: ParallelDims, model_args: ModelArgs, da
     def check_seq_len(seq_len: int) -> None:
         if seq_len != config.training.seq_len and dims.pp > 1:
             raise ConfigError(f"seq_len {seq_len}: pipeline parallel infers the shapes its stages send once, so a "
-                              "run with pipeline_parallel_degree > 1 keeps one seq_len; stop at the stage and resume "
-                              "from the checkpoint with the new [training] seq_len instead.")
+                              "run with pipeline_parallel_degree > 1 keeps one seq_len; train the longer sequences as "
+                              "a run of their own, started from this one's weights (--checkpoint.initial_load_path "
+                              "<step folder>).")
         training = dataclasses.replace(config.training, seq_len=seq_len)
         try:
             validate_parallelism(dims, model_args, dataclasses.replace(config, training=training))
@@ -145,6 +146,10 @@ def resolve_stages(config: JobConfig, data_ranks: int, check_seq_len: Any) -> St
                         for source, weight in zip(sources, before.weights, strict=True))
         if sources and not any(w > 0 for w in weights):
             raise ConfigError(f"{label}: mixture_weights leave no source with a positive weight; give one a share.")
+        if entry.lr_decay and start_step < config.lr_scheduler.warmup_steps:
+            raise ConfigError(f"{label}: lr_decay starts the decay at step {start_step + 1}, inside the warmup "
+                              f"([lr_scheduler] warmup_steps = {config.lr_scheduler.warmup_steps}); start the stage "
+                              "after the warmup or shorten it.")
         steps_before = start_step - before.start_step
         stages.append(Stage(
             number=number, name=entry.name or f"stage {number}", start_step=start_step,

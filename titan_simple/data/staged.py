@@ -47,6 +47,8 @@ class StagedIndex:
                        for name, share, index in zip(names, shares, indexes[stage.seq_len], strict=True)]
             self.blends.append(MixtureIndex(sources, offsets=offsets))
         self.sources = self.blends[0].sources  # the first stage's: what the checkpoint's mixture record names
+        for blend in self.blends[1:]:  # a source's new epoch is said once, whichever stage reads it
+            blend._epochs_said = self.blends[0]._epochs_said
 
     def _stage(self, consumed: int) -> tuple[int, int]:
         stage = self.plan.stage_of_sample(consumed)
@@ -118,11 +120,19 @@ def data_record(index: object, consumed: int | None = None) -> dict[str, Any] | 
     return mixture_record(index, consumed) if isinstance(index, MixtureIndex) else None
 
 
-def check_data_record(path: object, saved: dict[str, Any] | None, index: object, consumed: int, step: int) -> None:
-    """Refuse, in one line, to resume a checkpoint whose mixture or past stages this run would not continue."""
+def check_data_record(path: object, saved: dict[str, Any] | None, index: object, position: dict[str, int],
+                      step: int) -> None:
+    """Refuse, in one line, to resume a checkpoint whose mixture or past stages this run would not continue
+    (``position``: the saved ``consumed_samples`` and ``seq_len``)."""
     check_same_mixture(path, saved, data_record(index))
     if isinstance(index, StagedIndex):
-        index.check_resume(path, saved, consumed, step)
+        first = index.plan.stages[0].seq_len
+        if position["seq_len"] != first:  # windows of another length: the samples would not continue
+            raise CheckpointError(
+                f"checkpoint {path} (step {step}) was trained with [training] seq_len {position['seq_len']}, this "
+                f"run's first stage has {first}: with stages the data continues only from the same first seq_len. "
+                "Set it back; a stage changes seq_len from a later step.")
+        index.check_resume(path, saved, position["consumed_samples"], step)
     elif saved and len(saved.get("stages", [])) > 1:  # the stages were dropped: the steps would revert to stage 0's
         stage = saved["stages"][-1]
         raise CheckpointError(
@@ -139,6 +149,10 @@ def check_same_past_stages(path: object, saved: list[dict[str, Any]] | None, pla
     would not continue. Raises the one-line error."""
     now = [stage.record() for stage in plan.stages if stage.start_samples < consumed or stage.number == 0]
     fix = f"Set it back, and change what comes next with a stage that starts after step {step}."
+    if saved is None and len(now) > 1:  # saved by a run without stages: only [training]'s settings ran
+        raise CheckpointError(f"checkpoint {path} (step {step}) was trained without stages, and this config's stage "
+                              f"'{plan.stages[len(now) - 1].name}' starts before it: a past stage cannot change on "
+                              f"resume. {fix}")
     for number, (was, new) in enumerate(zip(saved or [], now, strict=False)):
         if was != new:
             changed = ", ".join(f"{key} {was.get(key)} -> {new[key]}" for key in new if was.get(key) != new[key])

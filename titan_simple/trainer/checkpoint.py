@@ -327,7 +327,7 @@ class CheckpointManager:
         self._dcp_load(data_state, path)
         saved = data_state["dataloader"].get("mixture")
         check_data_record(path, _unpack(saved) if saved is not None else None, getattr(self._samples(), "index", None),
-                          data_state["dataloader"]["consumed_samples"], step)
+                          data_state["dataloader"], step)
         return data_state["dataloader"]
 
     def _dcp_load(self, state: dict[str, Any], path: Path) -> None:

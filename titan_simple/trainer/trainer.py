@@ -177,6 +177,13 @@ class Trainer:
         resumed = self.checkpoint.load()
         if resumed is not None:
             self.global_step, self.tokens_seen = resumed.global_step, resumed.tokens_seen
+        samples = self.dataloader.dataset
+        if self.plan.stages is not None and samples.consumed != self.plan.stages.samples_after(self.global_step):
+            # the stage table ties the data position to the step (a resume that excluded one of them)
+            logger.warning("data: the stages read %s samples in %d steps; the data continues from there, not from "
+                           "sample %s", f"{self.plan.stages.samples_after(self.global_step):,}", self.global_step,
+                           f"{samples.consumed:,}")
+            samples.resume_at(self.plan.stages.samples_after(self.global_step))
         for feature in self.loop_features:
             feature.after_restore(self.run, self._progress)
 
