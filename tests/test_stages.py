@@ -19,6 +19,7 @@ from titan_simple.core.plan import resolve_plan
 from titan_simple.data import Tokenizer, build_dataloader
 from titan_simple.data.staged import check_data_record
 from titan_simple.errors import CheckpointError, ConfigError
+from titan_simple.models.llama3 import flops_per_token
 
 STAGES = ('[{name = "ramp", start_step = 4, global_batch_size = 16}, '
           '{name = "long", start_tokens = 1500, seq_len = 32, mixture_weights = {marks = 0, digits = 0.5}}, '
@@ -53,7 +54,12 @@ def test_the_table_places_every_stage_in_steps_tokens_and_samples(sources):  # n
         "start", "start", "ramp", "ramp", "long", "long", "anneal", "anneal"]
     assert plan.tokens_after(9) == 1536 + 512 and plan.samples_after(9) == 112
     assert [plan.stage_of_sample(g).name for g in (31, 32, 95, 96)] == ["start", "ramp", "ramp", "long"]
-    assert resolve_plan(_config(sources), 2, "cpu").model_args.max_seq_len == 32  # RoPE as long as the longest
+    args = resolve_plan(_config(sources), 2, "cpu").model_args
+    assert args.max_seq_len == 32  # RoPE as long as the longest
+    # TFLOP/s and MFU count each stage's attention at its seq_len: 16 tokens through step 8, then 32
+    first = flops_per_token(args, 1000, 16)
+    assert plan.flops_per_token(8, first, args) == first
+    assert plan.flops_per_token(9, first, args) == flops_per_token(args, 1000, 32) > first
 
 
 @pytest.mark.parametrize("stages, extra, world, message", [

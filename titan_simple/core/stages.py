@@ -19,7 +19,7 @@ from titan_simple.config import JobConfig
 from titan_simple.config.stage_checks import stage_label
 from titan_simple.core.batching import accumulation_steps
 from titan_simple.errors import ConfigError
-from titan_simple.models.llama3 import ModelArgs
+from titan_simple.models.llama3 import ModelArgs, flops_per_token
 from titan_simple.parallel.dims import ParallelDims, validate_parallelism
 
 
@@ -68,6 +68,12 @@ class StagePlan:
     def stage_of_sample(self, sample: int) -> Stage:
         """The stage global sample ``sample`` (counted from 0 over the whole run) is read in."""
         return [stage for stage in self.stages if stage.start_samples <= sample][-1]
+
+    def flops_per_token(self, step: int, first: float, args: ModelArgs) -> float:
+        """The training FLOPs per token at step ``step``'s seq_len, from ``first``, those at the first stage's:
+        attention's share grows with the sequence (``models/llama3.flops_per_token``)."""
+        seq_len, first_seq_len = self.at_step(step).seq_len, self.stages[0].seq_len
+        return first + flops_per_token(args, 0, seq_len) - flops_per_token(args, 0, first_seq_len)
 
     @property
     def decay_start_step(self) -> int | None:

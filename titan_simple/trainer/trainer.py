@@ -344,7 +344,7 @@ class Trainer:
                 "loss_metrics/global_max_loss": max_loss,
                 "grad_norm": result.grad_norm.item(),
                 "lr": result.lr,
-                **timer.window_metrics(self.run.parts.flops_per_token, self.peak_flops),
+                **timer.window_metrics(self._flops_per_token(), self.peak_flops),
                 **self.memory.read(),
             }
             metrics.update(self._source_metrics())
@@ -370,6 +370,11 @@ class Trainer:
                         stage.global_rows, stage.accumulation_steps, stage.seq_len,
                         "; the learning rate decays from here" if stage.lr_decay else "")
         return stage.accumulation_steps
+
+    def _flops_per_token(self) -> float:
+        """The model's training FLOPs per token at this step's seq_len (TFLOP/s and MFU)."""
+        flops, stages = self.run.parts.flops_per_token, self.plan.stages
+        return flops if stages is None else stages.flops_per_token(self.global_step, flops, self.plan.model_args)
 
     def _source_metrics(self) -> dict[str, float]:
         """A mixture's (or a staged run's) tokens and epochs per source so far (data/mixture.py, data/staged.py);
