@@ -228,3 +228,19 @@ def test_the_dry_run_prices_every_stage_and_names_the_one_that_fits_worst(tmp_pa
                                                                                               "from_step": 19}
     assert report["stages"]["worst"] == "long" and report["stages"]["all_fit"]
     assert "  the stage that fits worst: long (" in output_of(proc)
+
+
+def test_a_source_starting_again_is_said_once_across_stages(sources, cache, caplog):  # noqa: F811
+    """'marks' (2 documents) starts new epochs in every stage; each epoch is logged once, not again at a stage's
+    start (each stage's blend shares what was said)."""
+    import logging
+
+    stages = ('[{start_step = 4, global_batch_size = 16}, {start_step = 40, seq_len = 32}, '
+              '{start_step = 80, mixture_weights = {marks = 2}}]')
+    index = _staged_loader(sources, cache, _config(sources, stages=stages)).dataset.index
+    with caplog.at_level(logging.INFO, logger="titan_simple.data.mixture"):
+        for consumed in range(0, index.plan.samples_after(120), 8):
+            index.say_new_epochs(consumed)
+    said = [r.getMessage() for r in caplog.records if "'marks'" in r.getMessage()]
+    epochs = [int(message.split("epoch ")[1].split()[0]) for message in said]
+    assert len(said) >= 3 and epochs == sorted(set(epochs)), said

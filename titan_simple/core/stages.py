@@ -125,12 +125,10 @@ def resolve_stages(config: JobConfig, data_ranks: int, check_seq_len: Any) -> St
     ConfigError of a stage the layout cannot run, at plan time."""
     training = config.training
     sources = training.mixture
-    first = Stage(number=0, name="start", start_step=0, start_tokens=0, start_samples=0,
-                  global_rows=0, seq_len=training.seq_len,
-                  accumulation_steps=accumulation_steps(training.global_batch_size, training.local_batch_size,
-                                                        data_ranks),
-                  weights=tuple(entry.weight for entry in sources), lr_decay=False)
-    stages = [dataclasses.replace(first, global_rows=training.local_batch_size * data_ranks * first.accumulation_steps)]
+    accumulation = accumulation_steps(training.global_batch_size, training.local_batch_size, data_ranks)
+    stages = [Stage(number=0, name="start", start_step=0, start_tokens=0, start_samples=0,
+                    global_rows=training.local_batch_size * data_ranks * accumulation, seq_len=training.seq_len,
+                    accumulation_steps=accumulation, weights=tuple(entry.weight for entry in sources), lr_decay=False)]
     for number, entry in enumerate(training.stages, start=1):
         label = f"[[training.stages]] '{stage_label(number, entry)}'"
         before = stages[-1]

@@ -100,7 +100,10 @@ class MixtureIndex:
     ``datasets.GlobalSamples``, resume and fault tolerance work unchanged: the position is still the number of
     global samples consumed)."""
 
-    def __init__(self, sources: Sequence[MixtureSource], offsets: Sequence[int] | None = None) -> None:
+    def __init__(self, sources: Sequence[MixtureSource], offsets: Sequence[int] | None = None,
+                 epochs_said: list[int] | None = None) -> None:
+        """``offsets``: each source's first sample; ``epochs_said``: the epochs already logged per source (indexes
+        that read the same sources one after another share it, so a new epoch is said once)."""
         self.sources = list(sources)
         # where each source starts reading its own samples (a stage continues where the one before stopped)
         self.offsets = list(offsets) if offsets is not None else [0] * len(self.sources)
@@ -115,7 +118,7 @@ class MixtureIndex:
         # validation reads one pass: the smallest source's epoch in mixture samples
         self.samples_per_epoch = min(s.index.samples_per_epoch * self.period // c
                                      for s, c in zip(self.sources, self.per_period, strict=True) if c)
-        self._epochs_said = [0] * len(self.sources)
+        self._epochs_said = epochs_said if epochs_said is not None else [0] * len(self.sources)
 
     def locate(self, g: int) -> tuple[int, int]:
         """(source, the source's own sample number) of global sample ``g``."""

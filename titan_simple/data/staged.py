@@ -33,7 +33,7 @@ class StagedIndex:
         self.plan, self.mixed = plan, mixed
         indexes: dict[int, list[SampleIndex]] = {}
         self.blends: list[MixtureIndex] = []
-        offsets = [0] * len(names)
+        offsets, epochs_said = [0] * len(names), [0] * len(names)  # a source's new epoch is said once, any stage
         for stage in plan.stages:
             if stage.seq_len not in indexes:
                 indexes[stage.seq_len] = open_sources(stage.seq_len)
@@ -45,10 +45,8 @@ class StagedIndex:
             shares = exact_shares(stage.weights) if mixed else [Fraction(1)]
             sources = [MixtureSource(name, share, index)
                        for name, share, index in zip(names, shares, indexes[stage.seq_len], strict=True)]
-            self.blends.append(MixtureIndex(sources, offsets=offsets))
+            self.blends.append(MixtureIndex(sources, offsets=offsets, epochs_said=epochs_said))
         self.sources = self.blends[0].sources  # the first stage's: what the checkpoint's mixture record names
-        for blend in self.blends[1:]:  # a source's new epoch is said once, whichever stage reads it
-            blend._epochs_said = self.blends[0]._epochs_said
 
     def _stage(self, consumed: int) -> tuple[int, int]:
         stage = self.plan.stage_of_sample(consumed)
