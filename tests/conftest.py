@@ -36,3 +36,12 @@ def compiled_job(tmp_path_factory) -> tuple[Path, str]:
     dump = tmp_path_factory.mktemp("compiled_job") / "dump"
     return dump, train_compiled(dump, "--training.steps", "3", "--checkpoint.enable", "--checkpoint.interval", "2")
 
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """The pool's worlds (tests/job_pool.py) end with the session."""
+    import sys
+
+    pool = sys.modules.get("tests.job_pool")
+    if pool is not None:
+        pool.shutdown()

@@ -122,9 +122,29 @@ def run_python(*args: str | Path, nproc: int = 1, env: Mapping[str, str] | None 
     return proc
 
 
+# train.py modes that may run once per process (a dry run's and a precompile's fake world: DTensor caches meshes).
+ONCE_PER_PROCESS = ("--dry_run", "--compile.precompile_world_size")
+
+
 def train_py(*args: str | Path, nproc: int = 1, env: Mapping[str, str] | None = None, timeout: float = 600,
-             expect: int | None = 0) -> subprocess.CompletedProcess:
-    """``train.py ARGS`` as ``run_python`` runs it (a user's command: the repo root, torchrun for several ranks)."""
+             expect: int | None = 0, launch: bool = False) -> subprocess.CompletedProcess:
+    """``train.py ARGS`` as a user's command runs it (the repo root, torchrun for several ranks): by default a job
+    of the suite's pool of worlds that stay up (tests/job_pool.py: train.py's ``main`` in-process, the same
+    ``CompletedProcess`` back), in processes forked for it alone for a dry run or a precompile; launched as a
+    process with ``launch`` (where the launch is the subject: exit statuses through torchrun, signals) or when
+    the pool cannot run it as a launch would (another world size, an environment torch read at import)."""
+    if not launch:
+        from tests.job_pool import NotForThePool, run_job  # noqa: PLC0415 (imports torch: not at the top)
+
+        fresh = any(str(arg).split("=")[0] in ONCE_PER_PROCESS for arg in args)
+        try:
+            proc = run_job(args, nproc=nproc, env=env, timeout=timeout, fresh=fresh)
+        except NotForThePool:
+            pass
+        else:
+            if expect is not None:
+                assert proc.returncode == expect, report(proc)
+            return proc
     return run_python(TRAIN_PY, *args, nproc=nproc, env=env, timeout=timeout, expect=expect)
 
 

@@ -179,7 +179,7 @@ def test_the_parts_of_torchrun_titan_run_uses_exist():
 
 
 def test_train_py_reports_one_line_and_exit_code_2():
-    result = train_py(*DEBUG, "--training.stepz", "1", timeout=60, expect=None)
+    result = train_py(*DEBUG, "--training.stepz", "1", timeout=60, expect=None, launch=True)  # the command's status
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "error: command line: unknown key 'stepz' in [training]. Did you mean 'steps'?"

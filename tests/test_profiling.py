@@ -204,7 +204,7 @@ def test_cpu_memory_timeline_on_two_processes_is_refused_in_one_line_at_start(tm
     any data, model or profiler work."""
     result = train_py(*DEBUG, "--profiling.enable_profiling", "--profiling.profile_freq", "10",
                       "--profiling.enable_memory_snapshot", "--job.dump_folder", tmp_path, nproc=2, timeout=120,
-                      expect=None)
+                      expect=None, launch=True)  # torchrun's report of the ranks' status is asserted
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and re.match("error: " + MEMORY_SNAPSHOT_ON_CPU, errors[0]), result.stderr
