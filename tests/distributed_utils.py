@@ -59,8 +59,9 @@ class RankFailed(RuntimeError):
 
 # Imported once in the forkserver, before any rank forks from it. Nothing here may start a thread or a process
 # group at import (a forked child would inherit it half-made).
+# The last, tests/forkserver_warmup.py, compiles one tiny graph so that every fork starts with the compiler warm.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "titan_simple.trainer.trainer",
-            "titan_simple.compile.compiler", "tests.parity"]
+            "titan_simple.compile.compiler", "tests.parity", "tests.forkserver_warmup"]
 
 
 def _context() -> mp.context.BaseContext:

@@ -148,6 +148,24 @@ def train_py(*args: str | Path, nproc: int = 1, env: Mapping[str, str] | None = 
     return run_python(TRAIN_PY, *args, nproc=nproc, env=env, timeout=timeout, expect=expect)
 
 
+def run_script(script: str | Path, *args: str | Path, env: Mapping[str, str] | None = None, timeout: float = 600,
+               expect: int | None = 0) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` (SCRIPT a path from the repo root with a ``main(argv)``) as a job of the suite's pool
+    (tests/job_pool.py: the script's ``main`` in a 1-rank world), or launched when the pool cannot run it as a
+    launch would; what ``run_python`` returns and asserts."""
+    from tests.job_pool import NotForThePool, run_job  # noqa: PLC0415 (imports torch: not at the top)
+
+    path = Path(script) if Path(script).is_absolute() else REPO / script
+    relative = path.resolve().relative_to(REPO)
+    try:
+        proc = run_job(args, env=env, timeout=timeout, entry=f"script:{relative}")
+    except NotForThePool:
+        return run_python(REPO / relative, *args, env=env, timeout=timeout, expect=expect)
+    if expect is not None:
+        assert proc.returncode == expect, report(proc)
+    return proc
+
+
 def dry_run(folder: Path, *args: str, output: str = "dry_run.json",
             timeout: float = 600) -> tuple[subprocess.CompletedProcess, dict[str, Any] | None]:
     """``train.py --dry_run ARGS`` writing to ``folder`` (whatever its exit status): the process, and the JSON

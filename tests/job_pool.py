@@ -14,7 +14,8 @@ process, and for several what torchrun exits with (0, or 1 when any rank failed)
 
 **A job leaves nothing for the next.** After it, each rank puts back what a job may change and a fresh process
 would not have: the environment and working directory, ``torch.compile``'s state (``torch._dynamo.reset()``, and
-the Dynamo, AOT autograd, Inductor and ``torch.compiler`` configs as they were), torch's, Python's and NumPy's
+the Dynamo, AOT autograd, Inductor and ``torch.compiler`` configs as they were), DTensor's cached sharding
+decisions, torch's, Python's and NumPy's
 random states, torch's thread count, deterministic mode, default dtype and grad mode, the SIGINT / SIGTERM
 handlers, logging's handlers and levels, and warnings' filters; any process group still up is destroyed (the
 trainer destroys its own: the default group and the mesh's subgroups, ``destroy_process_group()``). Then it
@@ -93,17 +94,27 @@ class RankResult:
     left: list[str] = field(default_factory=list)  # what the job left behind that could not be put back
 
 
-def _call_entry(entry: str, argv: list[str]) -> int:
-    if entry == "train":
-        module = sys.modules.get("train_entry")
-        if module is None:
-            import importlib.util
+def _script(path: Path, name: str) -> Any:
+    """The checkout's script at ``path`` as the module ``name``, executed once per rank."""
+    module = sys.modules.get(name)
+    if module is None:
+        import importlib.util
 
-            spec = importlib.util.spec_from_file_location("train_entry", TRAIN_PY)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules["train_entry"] = module
-            spec.loader.exec_module(module)
-        return module.main(argv)
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+def _call_entry(entry: str, argv: list[str]) -> int:
+    """``entry``: "train" (train.py's main), "script:PATH" (a script's ``main(argv)``, PATH from the repo root) or
+    "module:function"."""
+    if entry == "train":
+        return _script(TRAIN_PY, "train_entry").main(argv)
+    if entry.startswith("script:"):
+        path = REPO / entry[len("script:"):]
+        return _script(path, f"job_pool_script_{path.stem}").main(argv)
     import importlib
 
     module_name, function = entry.split(":")
@@ -199,6 +210,14 @@ class _State:
         if dist.is_initialized():
             dist.destroy_process_group()
         torch._dynamo.reset()
+        # DTensor's sharding decisions, cached by op schema (meshes compared by value): a fresh process has none,
+        # and an equal mesh of the next job must not get the decisions made on this job's (private names: a
+        # rename fails the job loudly, "the pool failed around the job").
+        from torch.distributed.tensor import DTensor
+
+        propagator = DTensor._op_dispatcher.sharding_propagator
+        propagator.propagate_op_sharding.cache_clear()
+        propagator._propagate_tensor_meta_cached.cache_clear()
         for module, values in self.configs:
             module.load_config(values)
         os.chdir(self.cwd)
@@ -458,7 +477,7 @@ def run_job(argv: Sequence[str | os.PathLike], nproc: int = 1, env: Mapping[str,
         world.stop()
         _worlds.pop(nproc, None)
     codes = [r.code if r is not None else None for r in results]
-    command = ["<job pool>", str(TRAIN_PY) if entry == "train" else entry, *job.argv]
+    command = ["<job pool>", str(TRAIN_PY) if entry == "train" else entry.removeprefix("script:"), *job.argv]
     left = [f"rank {r.rank}: {item}" for r in results if r is not None for item in r.left]
     if left:
         raise JobLeftState(f"{' '.join(command)}\nleft behind:\n" + "\n".join(left) + f"\n--- stderr (tail)\n"

@@ -12,7 +12,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from tests.harness import DEBUG, FOUR_STEPS, NO_TENSORBOARD, REPO, load_script, one_torch_thread, run_python
+from tests.harness import DEBUG, FOUR_STEPS, NO_TENSORBOARD, REPO, load_script, one_torch_thread, run_script
 from titan_simple.config import load_job_config
 from titan_simple.data.tokenizer import Tokenizer
 from titan_simple.errors import ConfigError
@@ -122,7 +122,7 @@ def test_top_k_one_is_greedy_and_temperature_zero_is_argmax():
 
 def test_script_prints_text_and_speed(trained, model):
     checkpoint = trained[3]
-    result = run_python(GENERATE_PY, *DEBUG, "--training.seq_len", "64", "--checkpoint", checkpoint / f"step-{STEPS}",
+    result = run_script(GENERATE_PY, *DEBUG, "--training.seq_len", "64", "--checkpoint", checkpoint / f"step-{STEPS}",
                         "--prompt", PROMPT, "--max_new_tokens", "12", "--temperature", "0.7", "--top_k", "40",
                         "--seed", "3", timeout=300)
     prompt = trained[2].encode(PROMPT, eos=False)

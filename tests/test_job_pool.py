@@ -137,3 +137,28 @@ def test_a_job_for_another_import_time_environment_is_not_for_the_pool():
     with pytest.raises(NotForThePool, match="3 ranks"):
         run_job([], nproc=3, entry=ENTRY + "fail")
     assert sys.modules["tests.job_pool"].WORLD_SIZES == (1, 2, 4)
+
+
+def _what_a_fork_starts_with(rank: int, world_size: int) -> dict:
+    import threading
+
+    import torch._dynamo.utils
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.async_compile import AsyncCompile
+
+    return {"codegen loaded": "torch._inductor.codegen.cpp" in sys.modules,
+            "vector ISA probed": cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 1,
+            "no inherited compile pool": AsyncCompile.pool.cache_info().currsize == 0,
+            "counters empty": not any(torch._dynamo.utils.counters.values()),
+            "threads": sorted(t.name for t in threading.enumerate())}
+
+
+def test_a_forked_rank_starts_with_the_compiler_warm_and_no_half_made_threads():
+    """tests/forkserver_warmup.py: the server compiled once (the C++ code generator loaded, the vector ISA probed),
+    then shut Inductor's compile thread pool and cleared Dynamo's counters; a fork holds only its main thread. The
+    private names the warm-up uses fail here first if torch changes them."""
+    from tests.distributed_utils import run_on_ranks
+
+    state = run_on_ranks(_what_a_fork_starts_with, 1)[0]
+    assert state.pop("threads") in (["MainThread"], ["MainThread", "tqdm_monitor"])
+    assert all(state.values()), state

@@ -21,7 +21,7 @@ from tests.harness import (
     TRAIN_PY,
     finish,
     output_of,
-    run_python,
+    run_script,
     start_python,
     wait_for_logged_steps,
 )
@@ -38,7 +38,7 @@ GROUP_1 = ["--fault_tolerance.enable", "--fault_tolerance.group_size", "2", "--f
 
 def run_status_verdict(dump: Path, since: float | None = None, *extra: str) -> tuple[int, str]:
     since_args = [] if since is None else ["--since", str(since)]
-    result = run_python(RUN_STATUS, *since_args, *DEBUG, "--job.dump_folder", dump, *extra, timeout=60, expect=None)
+    result = run_script(RUN_STATUS, *since_args, *DEBUG, "--job.dump_folder", dump, *extra, timeout=60, expect=None)
     return result.returncode, output_of(result)
 
 
@@ -55,8 +55,8 @@ def run_status_verdict(dump: Path, since: float | None = None, *extra: str) -> t
 ])
 def test_run_status_script_says_what_to_do_with_the_job(tmp_path, state, fields, code, says):
     RunStatus(str(tmp_path), rank=0, steps=4).write(state, 4, **fields)
-    assert run_status_verdict(tmp_path)[0] == code
-    assert says in run_status_verdict(tmp_path)[1]
+    verdict_code, output = run_status_verdict(tmp_path)
+    assert verdict_code == code and says in output, output
 
 
 @pytest.mark.parametrize("state, fields, code", [

@@ -18,6 +18,7 @@ import torch
 
 from tests import parity
 from tests.distributed_utils import run_on_ranks
+from tests.harness import FP32
 from tests.parity import COMPILED_RTOL, EAGER_RTOL, SHARDED_NORM_RTOL, Recipe, assert_parity, build_layout
 from tests.test_checkpoint import assert_same_weights, full_weights, make_trainer, stop_with_sigterm_after
 from titan_simple.config import load_job_config
@@ -194,13 +195,14 @@ def test_tied_checkpoint_reshards_from_fully_shard_to_tensor_parallel(tmp_path):
     global batch: local 4 on one dp rank instead of 2 on two) continues with the losses of the uninterrupted run (to
     the parity tolerance: another layout adds in another order)."""
     saved = run_on_ranks(_train_on_ranks, 2, args=(str(tmp_path / "fsdp"), [
-        "--checkpoint.enable", "--checkpoint.interval", "2"], 4))
+        *FP32, "--checkpoint.enable", "--checkpoint.interval", "2"], 4))
     assert complete_steps(tmp_path / "fsdp" / "checkpoint") == [2, 4]
     step_2 = tmp_path / "fsdp" / "checkpoint" / "step-2"
     assert read_marker(step_2)["model_args"]["tie_word_embeddings"] is True
     shutil.copytree(step_2, tmp_path / "tp" / "checkpoint" / "step-2")
     resumed = run_on_ranks(_train_on_ranks, 2, args=(str(tmp_path / "tp"), [
-        "--checkpoint.enable", "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"], 4))
+        *FP32, "--checkpoint.enable", "--parallelism.tensor_parallel_degree", "2", "--training.local_batch_size", "4"],
+        4))
     assert resumed[0]["start_step"] == 2 and resumed[0]["tied"]
     assert "Shard(dim=0)" in resumed[0]["placements"]  # the vocabulary split over the two TP ranks
     continued, uninterrupted = resumed[0]["losses"], saved[0]["losses"][2:]

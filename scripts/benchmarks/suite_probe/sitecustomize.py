@@ -74,6 +74,17 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _command() -> str:
+    """What this process runs: its argv, and for ``python -c CODE`` the code's start (sys.argv holds only "-c")."""
+    try:
+        with open("/proc/self/cmdline", "rb") as cmdline:
+            words = cmdline.read().split(b"\0")[1:]
+    except OSError:
+        words = []
+    text = " ".join(w.decode(errors="replace") for w in words).replace("\n", " ").replace("\t", " ")
+    return text[:160] or " ".join(sys.argv[:4])
+
+
 if _FOLDER:
-    _append("launches.log", f"{time.time():.3f} {os.getpid()} {os.getppid()} {_test()}\t{' '.join(sys.argv[:4])}")
+    _append("launches.log", f"{time.time():.3f} {os.getpid()} {os.getppid()} {_test()}\t{_command()}")
     sys.meta_path.insert(0, _PatchOnImport())
