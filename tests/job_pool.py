@@ -29,7 +29,8 @@ replica groups, elastic restarts, multinode), nor for an environment that differ
 torch reads once at import (``TORCHINDUCTOR_*``, ``TORCH_*``: the forkserver imported torch with the suite's):
 ``run_job`` refuses those (``harness.train_py`` then launches). ``fresh=True`` runs the job in processes forked
 for it alone and gone after it: for what may run once per process (a dry run's fake world: DTensor caches its
-meshes), at the cost of warming nothing.
+meshes; a layout search's pool of pricing workers, kept for the process's life), at the cost of warming nothing;
+what such a job leaves ends with its processes, so nothing is looked for.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class Job:
     env: dict[str, str]
     cwd: str
     entry: str  # "module:function" called with argv; "train" is train.py's main
+    check_leaks: bool = True  # False for a world forked for this job alone: it ends with the job
 
 
 @dataclass
@@ -219,7 +221,12 @@ class _State:
         propagator.propagate_op_sharding.cache_clear()
         propagator._propagate_tensor_meta_cached.cache_clear()
         for module, values in self.configs:
-            module.load_config(values)
+            current = module.get_config_copy()
+            changed = {name: value for name, value in values.items() if current.get(name) is not value
+                       and current.get(name) != value}
+            with warnings.catch_warnings():  # setting a deprecated key warns, also when it is set back
+                warnings.simplefilter("ignore")
+                module.load_config(changed)
         os.chdir(self.cwd)
         os.environ.clear()
         os.environ.update(self.environ)
@@ -314,6 +321,8 @@ def run_in_rank(job: Job, rank: int, world_size: int, port: int, output: str) ->
     finally:
         group_left = dist.is_initialized()  # the trainer destroys its groups: one still up is the job's leak
         state.restore()
+    if not job.check_leaks:  # processes forked for this job alone end with it: nothing reaches another job
+        return RankResult(rank, code)
     return RankResult(rank, code, ["a process group"] * group_left + state.left_behind())
 
 
@@ -464,7 +473,7 @@ def run_job(argv: Sequence[str | os.PathLike], nproc: int = 1, env: Mapping[str,
         raise NotForThePool(f"no world of {nproc} ranks (the pool has {WORLD_SIZES})")
     env = job_env() if env is None else dict(env)
     check_environment(env)
-    job = Job(tuple(str(a) for a in argv), env, str(REPO), entry)
+    job = Job(tuple(str(a) for a in argv), env, str(REPO), entry, check_leaks=not fresh)
     world = World(nproc) if fresh else _world(nproc)
     _stats["jobs"] += 1
     try:
