@@ -43,7 +43,7 @@ class Cost:
 
 
 def _test_of(tag: str) -> str:
-    """The test id of a PYTEST_CURRENT_TEST value (a test's id and phase, e.g. 'tests/test_loss.py::test_a[2] (call)')."""
+    """The test id of a PYTEST_CURRENT_TEST value (an id and phase: 'tests/test_loss.py::test_a[2] (call)')."""
     return re.sub(r" \((setup|call|teardown)\)$", "", tag.strip())
 
 
