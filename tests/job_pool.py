@@ -169,6 +169,16 @@ def _persistent_helper(pid: int) -> bool:
 PERSISTENT_THREADS = ("tqdm_monitor",)
 
 
+def _compile_pool_threads() -> set[int]:
+    """Idents of Inductor's thread pool for C++ compiles (``AsyncCompile.pool``, made at a process's first compile
+    and kept for its later ones, as in a launched rank): warm, not a leak."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    if not AsyncCompile.pool.cache_info().currsize:
+        return set()
+    return {t.ident for t in AsyncCompile.pool()._threads}
+
+
 class _State:
     """What a job may change in a rank, taken before it and put back after it."""
 
@@ -261,8 +271,9 @@ class _State:
         left = []
         deadline = time.monotonic() + 5.0  # a thread or process that is ending gets a moment
         while True:
+            kept = _compile_pool_threads()
             threads = [t for t in threading.enumerate() if t.ident not in self.threads_alive and t.is_alive()
-                       and t.name not in PERSISTENT_THREADS]
+                       and t.name not in PERSISTENT_THREADS and t.ident not in kept]
             children = [pid for pid in _live_children() - self.children if not _persistent_helper(pid)]
             if not (threads or children) or time.monotonic() > deadline:
                 break
