@@ -26,6 +26,7 @@ import queue
 import tempfile
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -158,3 +159,16 @@ def run_on_ranks(
             silent.insert(0, "timed out")
         raise RankFailed("\n".join(errors + silent))
     return [outcomes[r][1] for r in range(world_size)]
+
+
+def run_worlds_side_by_side(jobs: Sequence[tuple[Callable[..., Any], int, Sequence[Any]]]) -> list[list[Any]]:
+    """``[run_on_ranks(fn, world_size, args) for fn, world_size, args in jobs]``, the worlds started together.
+
+    For compiled jobs: their ranks compile once (``titan_simple/compile/once.py``), so while a 2-rank world's leader
+    compiles, its follower waits and one of the 2 cores idles; two such worlds side by side keep both busy (issue
+    61). Each world is as ``run_on_ranks`` makes it alone (its own store, the same threads per rank, so the same
+    compiled kernels); a failure in any is raised after all have ended.
+    """
+    with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+        futures = [pool.submit(run_on_ranks, fn, world_size, args) for fn, world_size, args in jobs]
+        return [future.result() for future in futures]

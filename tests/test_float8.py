@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy
 
-from tests.distributed_utils import run_on_ranks
+from tests.distributed_utils import run_worlds_side_by_side
 from tests.harness import FP32, ONE_ROW, output_of, train_py
 from tests.parity import Recipe, build_layout, max_rel_diff, train_reference, train_steps
 from titan_simple.config import load_job_config
@@ -318,14 +318,22 @@ def _dp2_tp2(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.fixture(scope="module")
+def worlds() -> dict[str, list[dict]]:
+    """Every rank's results of the dp2 x tp2 (4 ranks) and the fully_shard (2 ranks) jobs, side by side: fully_shard
+    compiles once (its follower waits for the leader), and the other world's work uses that core."""
+    tp, fsdp = run_worlds_side_by_side([(_dp2_tp2, 4, ()), (_fully_shard, 2, ())])
+    return {"dp2_tp2": tp, "fully_shard": fsdp}
+
+
 @pytest.mark.slow
-def test_float8_dp2_tp2_matches_one_process(one_process):
+def test_float8_dp2_tp2_matches_one_process(one_process, worlds):
     """Tensor parallel with data parallel: each rank gathers its TP shard of a weight in float8, cast with the whole
     weight's scale (the amax all-reduced over dp and TP), bitwise the param-dtype gather; the activations cast to
     float8 on their sequence shards before TP's all-gather (the scale is the whole activation's, so the same bits as
     casting after it). Against one process within the tensorwise tolerance above (measured 2.1e-5 losses, 9.9e-5
     norms)."""
-    for rank_result in run_on_ranks(_dp2_tp2, 4):
+    for rank_result in worlds["dp2_tp2"]:
         on, off = rank_result[True], rank_result[False]
         assert (on["losses"], on["norms"]) == (off["losses"], off["norms"])
         # torchao's float8 TP styles: the normalized inputs of attention and feed-forward gathered over TP as float8
@@ -337,8 +345,8 @@ def test_float8_dp2_tp2_matches_one_process(one_process):
 
 
 @pytest.mark.slow
-def test_float8_fully_shard_matches_one_process(one_process):
-    for rank_result in run_on_ranks(_fully_shard, 2):
+def test_float8_fully_shard_matches_one_process(one_process, worlds):
+    for rank_result in worlds["fully_shard"]:
         for recipe, rtol in SHARDED_RTOL.items():
             loss_diff = max_rel_diff(rank_result[recipe]["losses"], one_process[recipe]["losses"])
             print(f"float8 {recipe} fully_shard vs one process: losses {loss_diff:.1e}")

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests import parity
-from tests.distributed_utils import run_on_ranks
+from tests.distributed_utils import run_worlds_side_by_side
 
 # With dp sharding the gradient norm is summed in another order: fp32 vector_norm of the 512k-entry output
 # gradient on CPU is itself 5e-5 away from its fp64 value, so the reference norm is only that good
@@ -319,14 +319,22 @@ def reference() -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> list[dict]:
+def worlds(tmp_path_factory) -> list[list[dict]]:
+    """The 2- and the 4-rank jobs side by side: a stage's ranks wait for each other's sends, and the other world's
+    work uses those cores."""
     dump = str(tmp_path_factory.mktemp("pp_trainer"))
-    return run_on_ranks(_run_configs, 2, args=(TWO_RANK_CONFIGS, dump))
+    return run_worlds_side_by_side([(_run_configs, 2, (TWO_RANK_CONFIGS, dump)),
+                                    (_run_configs, 4, (FOUR_RANK_CONFIGS,))])
 
 
 @pytest.fixture(scope="module")
-def four_ranks() -> list[dict]:
-    return run_on_ranks(_run_configs, 4, args=(FOUR_RANK_CONFIGS,))
+def two_ranks(worlds) -> list[dict]:
+    return worlds[0]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(worlds) -> list[dict]:
+    return worlds[1]
 
 
 def assert_parity(results: list[dict], key: str, reference: dict, rtol: float, norm_rtol: float | None = None) -> None:

@@ -33,7 +33,7 @@ import functools
 import pytest
 
 from tests import parity
-from tests.distributed_utils import run_on_ranks
+from tests.distributed_utils import run_worlds_side_by_side
 from tests.inductor_code import overlap_in_generated_code
 from tests.parity import COMPILED_RTOL, SHARDED_NORM_RTOL, build_layout, max_rel_diff, train_steps
 from tests.test_pipeline import RECIPE as PIPELINE_RECIPE
@@ -63,10 +63,10 @@ def _train_into(out: dict, layout) -> None:
     out.update(train_steps(layout, RECIPE))
 
 
-def _train(rank: int, world_size: int) -> dict:
+def _train(rank: int, world_size: int, names: list[str]) -> dict:
     results = {}
-    for name, overrides in CONFIGS.items():
-        layout = build_layout(job_config(*overrides), world_size)
+    for name in names:
+        layout = build_layout(job_config(*CONFIGS[name]), world_size)
         trained: dict = {}
         # Inductor's generated code of every graph compiled while training (tests/inductor_code.py).
         generated = overlap_in_generated_code(functools.partial(_train_into, trained, layout))
@@ -107,7 +107,10 @@ def _bucket_bytes(region, received) -> list[tuple[int, int, int]]:
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict]:
-    return run_on_ranks(_train, 2)
+    """Every rank's results; the data-parallel configs and the pipeline in two worlds side by side (under compile
+    once a data-parallel follower waits for its leader's compile; the pipeline's ranks each compile their own)."""
+    parts = run_worlds_side_by_side([(_train, 2, (["fully_shard", "replicate"],)), (_train, 2, (["interleaved_pp2"],))])
+    return [{**data_parallel, **pipeline} for data_parallel, pipeline in zip(*parts, strict=True)]
 
 
 @pytest.fixture(scope="module")

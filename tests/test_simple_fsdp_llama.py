@@ -43,7 +43,7 @@ import tempfile
 
 import pytest
 
-from tests.distributed_utils import run_on_ranks
+from tests.distributed_utils import run_worlds_side_by_side
 from tests.parity import Recipe, assert_parity, build_layout, max_grad_diff, max_rel_diff, train_reference, train_steps
 
 # 4 x 64 tokens per step: 1, 2 or 4 sequences per dp rank. 2 blocks: every block is the same code, and compile
@@ -108,13 +108,20 @@ def reference() -> dict:
 
 
 @pytest.fixture(scope="module")
-def two_ranks() -> list[dict]:
-    return run_on_ranks(_run_configs, 2, args=(TWO_RANK_CONFIGS,))
+def worlds() -> list[list[dict]]:
+    """The 2- and the 4-rank jobs side by side (their fully_shard ranks compile once: one compiles, the others
+    wait, and the other world's work uses the waiting cores)."""
+    return run_worlds_side_by_side([(_run_configs, 2, (TWO_RANK_CONFIGS,)), (_run_configs, 4, (FOUR_RANK_CONFIGS,))])
 
 
 @pytest.fixture(scope="module")
-def four_ranks() -> list[dict]:
-    return run_on_ranks(_run_configs, 4, args=(FOUR_RANK_CONFIGS,))
+def two_ranks(worlds) -> list[dict]:
+    return worlds[0]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(worlds) -> list[dict]:
+    return worlds[1]
 
 
 def _assert_parity(results: list[dict], key: str, reference: dict, rtol: float) -> None:
