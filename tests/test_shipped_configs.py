@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.distributed_utils import run_worlds_side_by_side
+from tests.distributed_utils import run_on_ranks
 from tests.harness import REPO
 from tests.parity import Recipe, build_layout, max_grad_diff, max_rel_diff, train_steps
 from titan_simple.config import load_job_config
@@ -96,22 +96,13 @@ def _reference(name: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def worlds() -> tuple[dict, dict]:
-    """Rank 0's results of the 2- and the 4-process configs, the two worlds side by side: the 8B configs compile
-    once on 2 processes (the follower waits for the leader), and the other world's compiles use that core."""
-    jobs = [(_train, world, ([n for n, (w, _, _) in SCALED.items() if w == world],)) for world in (2, 4)]
-    two, four = run_worlds_side_by_side(jobs)
-    return two[0], four[0]
+def two_processes() -> dict:
+    return run_on_ranks(_train, 2, args=([n for n, (w, _, _) in SCALED.items() if w == 2],))[0]
 
 
 @pytest.fixture(scope="module")
-def two_processes(worlds) -> dict:
-    return worlds[0]
-
-
-@pytest.fixture(scope="module")
-def four_processes(worlds) -> dict:
-    return worlds[1]
+def four_processes() -> dict:
+    return run_on_ranks(_train, 4, args=([n for n, (w, _, _) in SCALED.items() if w == 4],))[0]
 
 
 @pytest.mark.slow
