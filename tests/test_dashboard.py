@@ -122,11 +122,19 @@ def test_dashboard_serves_validation_loss(server, finished_run):
 
 
 def children_of(pid: int) -> list[int]:
-    """Direct children (e.g. TensorBoard's data server), from /proc."""
-    children = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children += [int(c) for c in (task / "children").read_text().split()]
-    return children
+    """Direct children (e.g. TensorBoard's data server), from /proc.
+
+    A thread may exit between listing ``task/`` and reading its ``children`` (its children then move to
+    a live thread of the process): such a pass is read again, until one sees every thread it listed.
+    """
+    for _ in range(50):
+        try:
+            return [
+                int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()
+            ]
+        except FileNotFoundError:
+            time.sleep(0.05)
+    raise AssertionError(f"/proc/{pid}/task kept changing under 50 reads: cannot list the server's children")
 
 
 def test_server_stops_by_pid(server):
