@@ -38,42 +38,6 @@ def compiled_job(tmp_path_factory) -> tuple[Path, str]:
 
 
 
-# The suite runs in two pytest workers (pyproject.toml: -n 2). Each worker gets whole files, heaviest first (the
-# per-file table of docs/benchmarks.md; a file not named here comes after, in collection order), so the last
-# files to finish are short ones and neither core waits long for the other. A file's module fixtures (its shared
-# jobs) then run once; files that share a session fixture go to one worker, so its job runs once too.
-HEAVIEST_FIRST = (
-    "test_compile_cache.py", "test_compile_once.py", "test_shipped_configs.py", "test_fault_tolerance.py",
-    "test_context_parallel.py", "test_dry_run_search.py", "test_document_masking.py",
-    "test_activation_checkpoint_compiled.py", "test_stages_training.py", "test_compile.py", "test_float8_gather.py",
-    "test_composition.py", "test_float8.py", "test_simple_fsdp.py", "test_pipeline.py", "test_compile_isolation.py",
-    "test_regional_compile.py", "test_simple_fsdp_llama.py", "test_job_pool.py", "test_tensor_parallel.py",
-    "test_gpu_check.py", "test_run_status.py", "test_activation_checkpoint.py", "test_checkpoint.py",
-)
-SAME_WORKER = {"test_compile_once.py": "test_compile_cache.py"}  # both start from the session's compiled_job
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """Heaviest files first (stable: a file's tests keep their order); every worker collects the same order."""
-    rank = {name: index for index, name in enumerate(HEAVIEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist's file scheduling, with the files of ``SAME_WORKER`` one unit, in the order collected."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class FileScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            name = path.rsplit("/", 1)[-1]
-            return path.replace(name, SAME_WORKER[name]) if name in SAME_WORKER else path
-
-    config.option.loadscopereorder = False  # keep the heaviest-first order rather than the most tests first
-    return FileScheduling(config, log)
-
-
 def pytest_sessionfinish(session, exitstatus) -> None:
     """The pool's worlds (tests/job_pool.py) end with the session."""
     import sys
