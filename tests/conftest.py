@@ -3,7 +3,6 @@ helpers they share are in tests/harness.py."""
 
 import os
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,65 +36,6 @@ def compiled_job(tmp_path_factory) -> tuple[Path, str]:
     dump = tmp_path_factory.mktemp("compiled_job") / "dump"
     return dump, train_compiled(dump, "--training.steps", "3", "--checkpoint.enable", "--checkpoint.interval", "2")
 
-
-
-# The suite runs in two pytest workers (pyproject.toml: -n 2), each with its own pool of worlds. A file whose jobs
-# keep both cores busy by themselves (``BOTH_CORES``: under a quarter of the cores idle in the per-file table of
-# docs/benchmarks.md) runs alone: it holds the run's lock exclusively, the other worker waits. The other files hold
-# it shared, two at a time, so one file's idle core (a launch's start, a one-process reference, a follower rank
-# waiting for its leader's compile) runs the other's work. The files with both cores busy go first, then the
-# others, heaviest first (a file not named below comes last, in collection order). A file's tests go to one worker,
-# so its module fixtures (its shared jobs) run once; files that share a session fixture go to one worker too.
-BOTH_CORES = (
-    "test_shipped_configs.py", "test_fault_tolerance.py", "test_context_parallel.py", "test_dry_run_search.py",
-    "test_document_masking.py", "test_activation_checkpoint_compiled.py", "test_stages_training.py", "test_compile.py",
-    "test_float8_gather.py", "test_composition.py", "test_float8.py", "test_simple_fsdp.py", "test_pipeline.py",
-    "test_regional_compile.py", "test_simple_fsdp_llama.py", "test_tensor_parallel.py", "test_checkpoint.py",
-    "test_fsdp_gather.py",
-)
-HEAVIEST_FIRST = (
-    *BOTH_CORES, "test_compile_cache.py", "test_compile_once.py", "test_compile_isolation.py", "test_job_pool.py",
-    "test_gpu_check.py", "test_run_status.py", "test_activation_checkpoint.py", "test_first_hour.py",
-    "test_async_tensor_parallel.py", "test_tied_embeddings.py", "test_multinode.py", "test_muon_sharded.py",
-    "test_dry_run.py",
-)
-SAME_WORKER = {"test_compile_once.py": "test_compile_cache.py"}  # both start from the session's compiled_job
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """Heaviest files first (stable: a file's tests keep their order); every worker collects the same order."""
-    rank = {name: index for index, name in enumerate(HEAVIEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """pytest-xdist's file scheduling, with the files of ``SAME_WORKER`` one unit, in the order collected."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class FileScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::", 1)[0]
-            name = path.rsplit("/", 1)[-1]
-            return path.replace(name, SAME_WORKER[name]) if name in SAME_WORKER else path
-
-    config.option.loadscopereorder = False  # keep the heaviest-first order rather than the most tests first
-    return FileScheduling(config, log)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _cores_for_this_file(request) -> Iterator[None]:
-    """Under pytest-xdist, the run's lock for the file's tests and module fixtures: exclusive for ``BOTH_CORES``,
-    shared for the others (``flock``: released when the file closes, also when a worker dies)."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if run is None:
-        yield
-        return
-    import fcntl
-
-    with open(Path(tempfile.gettempdir()) / f"titan_simple_tests_{run}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX if request.path.name in BOTH_CORES else fcntl.LOCK_SH)
-        yield
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
